@@ -1,0 +1,12 @@
+//! Types shared by every sluice crate: element and block formats, the normalized
+//! model description ([`ModelSpec`]) and the one error type.
+
+pub mod dtype;
+pub mod error;
+pub mod mat;
+pub mod spec;
+
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use mat::MatRef;
+pub use spec::*;

@@ -1,0 +1,253 @@
+//! `ModelSpec`: one normalized description of any supported architecture.
+//!
+//! The format readers translate a `config.json` or GGUF metadata into this; the
+//! families read only this. Everything a layer needs to know about its own shape
+//! (head dim, KV heads, window, RoPE, whether it has experts) is per layer, because
+//! Gemma 4 and its kin vary them from layer to layer.
+
+use crate::DType;
+
+/// Which family file runs the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Gemma 4 (MoE 26B-A4B and the dense E2B/E4B with per-layer embeddings).
+    Gemma4,
+    /// Llama-shaped decoders: Llama, Qwen2, Qwen3, Qwen3-MoE.
+    Llama,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// GELU with the tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// How the two halves of a rotary pair are laid out in a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Element i pairs with i + head_dim/2 (Hugging Face `rotate_half`, NeoX).
+    Half,
+    /// Element 2i pairs with 2i + 1 (original Llama / GGUF llama).
+    Interleaved,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeSpec {
+    pub style: RopeStyle,
+    /// One inverse frequency per rotary pair, `head_dim / 2` of them. A zero leaves
+    /// its pair unrotated (proportional RoPE's "nope" part).
+    pub inv_freq: Vec<f32>,
+    /// Multiplies cos and sin (YaRN's attention factor); 1 otherwise.
+    pub attention_factor: f32,
+}
+
+/// The RoPE parameters as configs state them, before they become frequencies.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Frequencies divided by `factor`.
+    Linear { factor: f32 },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position: f32,
+    },
+    /// Gemma 4 full-attention layers: only the first `partial` fraction of the pairs
+    /// rotate, with exponents taken over the whole head dim.
+    Proportional { partial: f32, factor: f32 },
+}
+
+impl RopeSpec {
+    /// Computes the inverse frequencies the way `transformers` does, in f32, so that
+    /// the angles agree with the reference to the last bit where possible.
+    pub fn new(style: RopeStyle, theta: f32, head_dim: usize, rotary_dim: usize, scaling: &RopeScaling) -> Self {
+        let half = head_dim / 2;
+        let mut inv_freq = vec![0f32; half];
+        match *scaling {
+            RopeScaling::Proportional { partial, factor } => {
+                let angles = ((partial as f64) * head_dim as f64 / 2.0) as usize;
+                for (i, f) in inv_freq.iter_mut().enumerate().take(angles.min(half)) {
+                    *f = 1.0 / theta.powf((2 * i) as f32 / head_dim as f32) / factor;
+                }
+            }
+            _ => {
+                // Partial rotary (rotary_dim < head_dim) rotates the first rotary_dim dims.
+                let rot_half = rotary_dim / 2;
+                for (i, f) in inv_freq.iter_mut().enumerate().take(rot_half) {
+                    *f = 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32);
+                }
+                let rot = &mut inv_freq[..rot_half];
+                match *scaling {
+                    RopeScaling::Linear { factor } => rot.iter_mut().for_each(|f| *f /= factor),
+                    RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor,
+                        high_freq_factor,
+                        original_max_position,
+                    } => {
+                        let low_wavelen = original_max_position / low_freq_factor;
+                        let high_wavelen = original_max_position / high_freq_factor;
+                        for f in rot.iter_mut() {
+                            let wavelen = 2.0 * std::f32::consts::PI / *f;
+                            if wavelen > low_wavelen {
+                                *f /= factor;
+                            } else if wavelen >= high_wavelen {
+                                let smooth =
+                                    (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                                *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        RopeSpec {
+            style,
+            inv_freq,
+            attention_factor: 1.0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionSpec {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// Sliding-window length (the query and the `window - 1` positions before it), or
+    /// `None` for full attention.
+    pub window: Option<usize>,
+    pub rope: RopeSpec,
+    /// Multiplies q·k before the softmax.
+    pub scale: f32,
+    /// RMS norms over each q and k head, with weights.
+    pub qk_norm: bool,
+    /// A weightless RMS norm over each v head (Gemma 4).
+    pub v_norm: bool,
+    /// V is the k projection's output, taken before k norm and RoPE (Gemma 4 full layers).
+    pub k_eq_v: bool,
+    /// Biases on the q, k and v projections (Qwen2).
+    pub qkv_bias: bool,
+    /// This layer computes no K/V of its own and attends over the cache of the named
+    /// earlier layer (Gemma 4 KV sharing).
+    pub kv_source: Option<usize>,
+}
+
+impl AttentionSpec {
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouterKind {
+    /// softmax over the router logits, top-k, then optionally renormalise the k weights.
+    Softmax { normalize_top_k: bool },
+    /// Gemma 4: weightless RMS norm, times `scale` and hidden^-0.5, softmax, top-k,
+    /// renormalise, times `per_expert_scale`.
+    Gemma4,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeSpec {
+    pub n_experts: usize,
+    pub top_k: usize,
+    pub intermediate: usize,
+    pub router: RouterKind,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerSpec {
+    pub attention: AttentionSpec,
+    /// Intermediate size of the dense MLP, if the layer has one (Gemma 4 MoE layers
+    /// have both a dense MLP and experts).
+    pub mlp: Option<usize>,
+    pub moe: Option<MoeSpec>,
+}
+
+/// Gemma 4's per-layer embeddings (PLE).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PleSpec {
+    /// Per-layer width.
+    pub dim: usize,
+    pub vocab_size: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSpec {
+    pub family: Family,
+    /// The architecture name as the source spells it (`gemma4_text`, `qwen3_moe`, ...).
+    pub arch: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub rms_norm_eps: f32,
+    pub activation: Activation,
+    /// Multiplies the token embedding (Gemma: sqrt(hidden)).
+    pub embed_scale: f32,
+    /// Added to every RMS norm weight (Gemma 3 stores w and applies 1 + w).
+    pub norm_weight_offset: f32,
+    pub final_logit_softcap: Option<f32>,
+    pub tie_word_embeddings: bool,
+    /// Longest sequence the model accepts.
+    pub max_context: usize,
+    pub layers: Vec<LayerSpec>,
+    pub ple: Option<PleSpec>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// The dominant storage type of the weights, for display.
+    pub weight_dtype: Option<DType>,
+}
+
+impl ModelSpec {
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+    pub fn is_moe(&self) -> bool {
+        self.layers.iter().any(|l| l.moe.is_some())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proportional_rope_leaves_nope_pairs_unrotated() {
+        let r = RopeSpec::new(
+            RopeStyle::Half,
+            1e6,
+            32,
+            32,
+            &RopeScaling::Proportional { partial: 0.25, factor: 1.0 },
+        );
+        assert_eq!(r.inv_freq.len(), 16);
+        assert_eq!(r.inv_freq[0], 1.0);
+        assert!(r.inv_freq[3] > 0.0);
+        assert!(r.inv_freq[4..].iter().all(|&f| f == 0.0));
+    }
+
+    #[test]
+    fn llama3_scaling_divides_low_frequencies() {
+        let plain = RopeSpec::new(RopeStyle::Half, 500000.0, 16, 16, &RopeScaling::None);
+        let scaled = RopeSpec::new(
+            RopeStyle::Half,
+            500000.0,
+            16,
+            16,
+            &RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: 64.0,
+            },
+        );
+        assert_eq!(plain.inv_freq[0], scaled.inv_freq[0]);
+        assert!((scaled.inv_freq[7] - plain.inv_freq[7] / 8.0).abs() < 1e-12);
+    }
+}

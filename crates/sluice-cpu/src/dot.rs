@@ -1,0 +1,323 @@
+//! Row dot products: one stored weight row (any format) against an f32 vector.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use sluice_core::DType;
+
+/// The instruction set the kernels use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+    Avx512,
+    Neon,
+}
+
+static ISA: AtomicU8 = AtomicU8::new(0);
+
+fn detect() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            return Isa::Avx512;
+        }
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
+            return Isa::Avx2;
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            return Isa::Neon;
+        }
+    }
+    Isa::Scalar
+}
+
+fn encode(i: Isa) -> u8 {
+    match i {
+        Isa::Scalar => 1,
+        Isa::Avx2 => 2,
+        Isa::Avx512 => 3,
+        Isa::Neon => 4,
+    }
+}
+
+/// The ISA in use: the best the CPU has, unless `SLUICE_ISA` (scalar, avx2, avx512,
+/// neon) or [`set_isa`] chose a lower one.
+pub fn isa() -> Isa {
+    match ISA.load(Ordering::Relaxed) {
+        1 => Isa::Scalar,
+        2 => Isa::Avx2,
+        3 => Isa::Avx512,
+        4 => Isa::Neon,
+        _ => {
+            let best = detect();
+            let chosen = match std::env::var("SLUICE_ISA").ok().as_deref() {
+                Some("scalar") => Isa::Scalar,
+                Some("avx2") if matches!(best, Isa::Avx2 | Isa::Avx512) => Isa::Avx2,
+                _ => best,
+            };
+            ISA.store(encode(chosen), Ordering::Relaxed);
+            chosen
+        }
+    }
+}
+
+/// Forces an ISA (for tests and comparisons). Returns false, changing nothing, if
+/// this CPU lacks it.
+pub fn set_isa(want: Isa) -> bool {
+    let best = detect();
+    let ok = match want {
+        Isa::Scalar => true,
+        Isa::Avx2 => matches!(best, Isa::Avx2 | Isa::Avx512),
+        Isa::Avx512 => best == Isa::Avx512,
+        Isa::Neon => best == Isa::Neon,
+    };
+    if ok {
+        ISA.store(encode(want), Ordering::Relaxed);
+    }
+    ok
+}
+
+/// `a · b` over f32.
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let bytes = unsafe { std::slice::from_raw_parts(a.as_ptr() as *const u8, a.len() * 4) };
+    dot_row(DType::F32, bytes, b)
+}
+
+/// Dot product of one stored row (`x.len()` elements of `dtype`) with `x`.
+pub fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    let n = x.len();
+    match (isa(), dtype) {
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, DType::F32 | DType::F16 | DType::BF16) => unsafe { x86::dot_avx512(dtype, row, x) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, DType::F32 | DType::F16 | DType::BF16) => unsafe { x86::dot_avx2(dtype, row, x) },
+        #[cfg(target_arch = "aarch64")]
+        (Isa::Neon, DType::F32 | DType::F16 | DType::BF16) => unsafe { neon::dot(dtype, row, x) },
+        (_, DType::F32 | DType::F16 | DType::BF16) => scalar::dot(dtype, row, x, 0, n),
+        (_, other) => panic!("dot_row: {other} rows are not supported yet"),
+    }
+}
+
+/// Converts one stored row to f32 (`out.len()` elements): embedding lookups.
+pub fn row_to_f32(dtype: DType, row: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = load(dtype, row, i);
+            }
+        }
+        other => panic!("row_to_f32: {other} rows are not supported yet"),
+    }
+}
+
+/// Reads element `i` of a plain-typed row.
+#[inline(always)]
+fn load(dtype: DType, row: &[u8], i: usize) -> f32 {
+    match dtype {
+        DType::F32 => f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]]),
+        DType::F16 => half::f16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32(),
+        DType::BF16 => f32::from_bits((u16::from_le_bytes([row[2 * i], row[2 * i + 1]]) as u32) << 16),
+        _ => unreachable!(),
+    }
+}
+
+mod scalar {
+    use super::*;
+
+    /// Elements `start..end`, with eight independent partial sums so the order is
+    /// fixed and the compiler can keep them in vector registers.
+    pub fn dot(dtype: DType, row: &[u8], x: &[f32], start: usize, end: usize) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut i = start;
+        while i + 8 <= end {
+            for l in 0..8 {
+                acc[l] += load(dtype, row, i + l) * x[i + l];
+            }
+            i += 8;
+        }
+        let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        while i < end {
+            s += load(dtype, row, i) * x[i];
+            i += 1;
+        }
+        s
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(dtype: DType, p: *const u8) -> __m256 {
+        unsafe {
+            match dtype {
+                DType::F32 => _mm256_loadu_ps(p as *const f32),
+                DType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                _ => {
+                    let h = _mm_loadu_si128(p as *const __m128i);
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_avx2(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+        let n = x.len();
+        let es = dtype.block_bytes();
+        let (w, xp) = (row.as_ptr(), x.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        unsafe {
+            while i + 32 <= n {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let j = i + 8 * k;
+                    *a = _mm256_fmadd_ps(load8(dtype, w.add(j * es)), _mm256_loadu_ps(xp.add(j)), *a);
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                acc[0] = _mm256_fmadd_ps(load8(dtype, w.add(i * es)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+                i += 8;
+            }
+            let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            hsum256(s) + scalar::dot(dtype, row, x, i, n)
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(dtype: DType, p: *const u8) -> __m512 {
+        unsafe {
+            match dtype {
+                DType::F32 => _mm512_loadu_ps(p as *const f32),
+                DType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+                _ => {
+                    let h = _mm256_loadu_si256(p as *const __m256i);
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_avx512(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+        let n = x.len();
+        let es = dtype.block_bytes();
+        let (w, xp) = (row.as_ptr(), x.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        unsafe {
+            while i + 64 <= n {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let j = i + 16 * k;
+                    *a = _mm512_fmadd_ps(load16(dtype, w.add(j * es)), _mm512_loadu_ps(xp.add(j)), *a);
+                }
+                i += 64;
+            }
+            while i + 16 <= n {
+                acc[0] = _mm512_fmadd_ps(load16(dtype, w.add(i * es)), _mm512_loadu_ps(xp.add(i)), acc[0]);
+                i += 16;
+            }
+            let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+            _mm512_reduce_add_ps(s) + scalar::dot(dtype, row, x, i, n)
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::*;
+    use std::arch::aarch64::*;
+
+    #[target_feature(enable = "neon")]
+    unsafe fn load4(dtype: DType, row: &[u8], i: usize) -> float32x4_t {
+        unsafe {
+            match dtype {
+                DType::F32 => vld1q_f32(row.as_ptr().add(4 * i) as *const f32),
+                DType::BF16 => {
+                    let h = vld1_u16(row.as_ptr().add(2 * i) as *const u16);
+                    vreinterpretq_f32_u32(vshll_n_u16::<16>(h))
+                }
+                _ => {
+                    let v = [load(dtype, row, i), load(dtype, row, i + 1), load(dtype, row, i + 2), load(dtype, row, i + 3)];
+                    vld1q_f32(v.as_ptr())
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "neon")]
+    pub unsafe fn dot(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+        let n = x.len();
+        let xp = x.as_ptr();
+        let mut acc = [vdupq_n_f32(0.0); 4];
+        let mut i = 0;
+        unsafe {
+            while i + 16 <= n {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let j = i + 4 * k;
+                    *a = vfmaq_f32(*a, load4(dtype, row, j), vld1q_f32(xp.add(j)));
+                }
+                i += 16;
+            }
+            let s = vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3]));
+            vaddvq_f32(s) + scalar::dot(dtype, row, x, i, n)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(n: usize) -> (Vec<f32>, Vec<u8>, Vec<u8>, Vec<u8>) {
+        let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let w: Vec<f32> = (0..n).map(|i| ((i * 53 % 89) as f32 - 44.0) / 23.0).collect();
+        let f32b = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f16b = w.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let bf16b = w.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+        (x, f32b, f16b, bf16b)
+    }
+
+    /// Every ISA this CPU has agrees with an f64 reference on every plain type and
+    /// on lengths that exercise the vector body and the scalar tail.
+    #[test]
+    fn all_isas_match_reference() {
+        for n in [1, 7, 8, 31, 64, 100, 257] {
+            let (x, f32b, f16b, bf16b) = rows(n);
+            for (dt, b) in [(DType::F32, &f32b), (DType::F16, &f16b), (DType::BF16, &bf16b)] {
+                let reference: f64 = (0..n).map(|i| load(dt, b, i) as f64 * x[i] as f64).sum();
+                for want in [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon] {
+                    if !set_isa(want) {
+                        continue;
+                    }
+                    let got = dot_row(dt, b, &x) as f64;
+                    assert!(
+                        (got - reference).abs() <= 1e-4 * (1.0 + reference.abs()),
+                        "{want:?} {dt} n={n}: {got} vs {reference}"
+                    );
+                }
+            }
+        }
+        set_isa(detect());
+    }
+}

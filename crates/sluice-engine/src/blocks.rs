@@ -1,0 +1,227 @@
+//! Blocks the families share: attention, the gated MLP, routers and the routed
+//! experts. Each is written once against [`Backend`].
+
+use sluice_core::{Activation, AttentionSpec, Error, Result};
+use sluice_experts::ExpertStore;
+use sluice_formats::{Checkpoint, TensorId, TensorKind};
+
+use crate::backend::{Backend, Routing};
+use crate::stats::Timers;
+
+/// What one forward step carries through the layers.
+pub struct Step<'a, B: Backend> {
+    pub be: &'a B,
+    /// Each layer's cache as it was before this step (`None` for layers that read
+    /// another layer's).
+    pub caches: &'a [Option<B::Kv>],
+    /// This step's keys and values per layer, appended to the caches after the last
+    /// layer has run.
+    pub pending: Vec<Option<(B::Act, B::Act)>>,
+    pub store: &'a ExpertStore,
+    pub timers: &'a mut Timers,
+    pub eps: f32,
+    pub norm_offset: f32,
+}
+
+impl<B: Backend> Step<'_, B> {
+    /// RMS norm over whole rows, with a weight.
+    pub fn norm(&self, x: &mut B::Act, w: &B::Vector, width: usize) {
+        self.be.rms_norm(x, width, Some(w), self.norm_offset, self.eps);
+    }
+}
+
+/// Loads a norm weight `[n]`.
+pub fn load_vector<B: Backend>(be: &B, ckpt: &Checkpoint, id: TensorId, n: usize) -> Result<B::Vector> {
+    be.vector(&ckpt.tensor(id, &[n])?)
+}
+
+/// Loads a matrix `[rows, cols]`.
+pub fn load_mat<B: Backend>(be: &B, ckpt: &Checkpoint, id: TensorId, rows: usize, cols: usize) -> Result<B::Mat> {
+    be.mat(&ckpt.tensor(id, &[rows, cols])?)
+}
+
+pub struct Attention<B: Backend> {
+    layer: usize,
+    spec: AttentionSpec,
+    q: B::Mat,
+    /// `None` on layers that read another layer's cache.
+    k: Option<B::Mat>,
+    /// `None` on those and on k_eq_v layers.
+    v: Option<B::Mat>,
+    o: B::Mat,
+    biases: Option<[B::Vector; 3]>,
+    q_norm: Option<B::Vector>,
+    k_norm: Option<B::Vector>,
+}
+
+impl<B: Backend> Attention<B> {
+    pub fn load(be: &B, ckpt: &Checkpoint, layer: usize, spec: &AttentionSpec, hidden: usize) -> Result<Self> {
+        let id = |k| TensorId::layer(layer, k);
+        let (qd, kvd, hd) = (spec.q_dim(), spec.kv_dim(), spec.head_dim);
+        let own_kv = spec.kv_source.is_none();
+        let biases = if spec.qkv_bias {
+            Some([
+                load_vector(be, ckpt, id(TensorKind::AttnQBias), qd)?,
+                load_vector(be, ckpt, id(TensorKind::AttnKBias), kvd)?,
+                load_vector(be, ckpt, id(TensorKind::AttnVBias), kvd)?,
+            ])
+        } else {
+            None
+        };
+        Ok(Attention {
+            layer,
+            spec: spec.clone(),
+            q: load_mat(be, ckpt, id(TensorKind::AttnQ), qd, hidden)?,
+            k: own_kv
+                .then(|| load_mat(be, ckpt, id(TensorKind::AttnK), kvd, hidden))
+                .transpose()?,
+            v: (own_kv && !spec.k_eq_v)
+                .then(|| load_mat(be, ckpt, id(TensorKind::AttnV), kvd, hidden))
+                .transpose()?,
+            o: load_mat(be, ckpt, id(TensorKind::AttnOut), hidden, qd)?,
+            biases,
+            q_norm: spec
+                .qk_norm
+                .then(|| load_vector(be, ckpt, id(TensorKind::AttnQNorm), hd))
+                .transpose()?,
+            k_norm: (spec.qk_norm && own_kv)
+                .then(|| load_vector(be, ckpt, id(TensorKind::AttnKNorm), hd))
+                .transpose()?,
+        })
+    }
+
+    /// `h` is the normed input `[n, hidden]`; returns the o-projection's output.
+    pub fn forward(&self, step: &mut Step<'_, B>, h: &B::Act) -> B::Act {
+        let be = step.be;
+        let s = &self.spec;
+        let hd = s.head_dim;
+        let src = s.kv_source.unwrap_or(self.layer);
+        let start = step.caches[src].as_ref().map_or(0, |c| be.kv_len(c));
+        let mut q = be.matmul(h, &self.q);
+        if let Some(b) = &self.biases {
+            be.add_row(&mut q, &b[0]);
+        }
+        if let Some(w) = &self.q_norm {
+            be.rms_norm(&mut q, hd, Some(w), step.norm_offset, step.eps);
+        }
+        be.rope(&mut q, hd, start, &s.rope);
+
+        if let Some(k_w) = &self.k {
+            let mut k = be.matmul(h, k_w);
+            if let Some(b) = &self.biases {
+                be.add_row(&mut k, &b[1]);
+            }
+            // k_eq_v: V is the k projection before k norm and RoPE.
+            let mut v = match &self.v {
+                Some(v_w) => {
+                    let mut v = be.matmul(h, v_w);
+                    if let Some(b) = &self.biases {
+                        be.add_row(&mut v, &b[2]);
+                    }
+                    v
+                }
+                None => be.copy(&k),
+            };
+            if let Some(w) = &self.k_norm {
+                be.rms_norm(&mut k, hd, Some(w), step.norm_offset, step.eps);
+            }
+            if s.v_norm {
+                be.rms_norm(&mut v, hd, None, 0.0, step.eps);
+            }
+            be.rope(&mut k, hd, start, &s.rope);
+            step.pending[self.layer] = Some((k, v));
+        }
+        let (k, v) = step.pending[src]
+            .as_ref()
+            .expect("a KV-sharing layer runs after the layer it reads");
+        let cache = step.caches[src].as_ref().expect("the source layer has a cache");
+        let a = step.timers.time(|t| &mut t.attention, || be.attention(s, &q, k, v, cache));
+        be.matmul(&a, &self.o)
+    }
+}
+
+/// `down(act(gate(h)) * up(h))`.
+pub struct Mlp<B: Backend> {
+    gate: B::Mat,
+    up: B::Mat,
+    down: B::Mat,
+}
+
+impl<B: Backend> Mlp<B> {
+    pub fn load(be: &B, ckpt: &Checkpoint, layer: usize, hidden: usize, inter: usize) -> Result<Self> {
+        let id = |k| TensorId::layer(layer, k);
+        Ok(Mlp {
+            gate: load_mat(be, ckpt, id(TensorKind::FfnGate), inter, hidden)?,
+            up: load_mat(be, ckpt, id(TensorKind::FfnUp), inter, hidden)?,
+            down: load_mat(be, ckpt, id(TensorKind::FfnDown), hidden, inter)?,
+        })
+    }
+
+    pub fn forward(&self, step: &mut Step<'_, B>, h: &B::Act, act: Activation) -> B::Act {
+        let be = step.be;
+        step.timers.time(
+            |t| &mut t.mlp,
+            || {
+                let mut g = be.matmul(h, &self.gate);
+                let u = be.matmul(h, &self.up);
+                be.glu(&mut g, &u, act);
+                be.matmul(&g, &self.down)
+            },
+        )
+    }
+}
+
+/// softmax over the router logits of each token, top-k, optionally renormalised,
+/// optionally times a per-expert scale (Gemma 4).
+pub fn route(logits: &[f32], n_experts: usize, top_k: usize, renormalize: bool, expert_scale: Option<&[f32]>) -> Routing {
+    let n = logits.len() / n_experts;
+    let mut r = Routing {
+        top_k,
+        ids: Vec::with_capacity(n * top_k),
+        weights: Vec::with_capacity(n * top_k),
+    };
+    for row in logits.chunks(n_experts) {
+        let mut p = row.to_vec();
+        sluice_cpu::ops::softmax(&mut p);
+        let ids = sluice_cpu::ops::top_k(&p, top_k);
+        let sum: f32 = ids.iter().map(|&i| p[i]).sum();
+        for &i in &ids {
+            let mut w = if renormalize { p[i] / sum } else { p[i] };
+            if let Some(s) = expert_scale {
+                w *= s[i];
+            }
+            r.ids.push(i);
+            r.weights.push(w);
+        }
+    }
+    r
+}
+
+/// Runs the routed experts of `layer` on `x` through the expert store.
+pub fn experts<B: Backend>(
+    step: &mut Step<'_, B>,
+    layer: usize,
+    x: &B::Act,
+    routing: &Routing,
+    act: Activation,
+) -> Result<B::Act> {
+    let store = step.store;
+    let lease = step
+        .timers
+        .time(|t| &mut t.expert_wait, || store.fetch(layer, &routing.unique()))?;
+    let be = step.be;
+    Ok(step
+        .timers
+        .time(|t| &mut t.expert_compute, || be.experts(x, routing, &lease, act)))
+}
+
+/// Checks token ids against a vocabulary before any lookup.
+pub fn check_tokens(tokens: &[u32], vocab: usize) -> Result<()> {
+    match tokens.iter().find(|&&t| t as usize >= vocab) {
+        Some(&t) => Err(Error::TokenOutOfRange {
+            id: t as u64,
+            vocab_size: vocab,
+        }),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,61 @@
+//! Timings and counters of a session, printed by `--stats` and `bench --json`.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// Time spent per phase of the forward pass, summed over steps.
+#[derive(Clone, Debug, Default)]
+pub struct Timers {
+    pub embed: Duration,
+    pub attention: Duration,
+    pub router: Duration,
+    pub expert_wait: Duration,
+    pub expert_compute: Duration,
+    pub mlp: Duration,
+    pub lm_head: Duration,
+}
+
+impl Timers {
+    /// Runs `f`, adding its time to the field `pick` selects.
+    pub fn time<T>(&mut self, pick: fn(&mut Timers) -> &mut Duration, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        *pick(self) += t.elapsed();
+        r
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PhaseMs {
+    pub embed_ms: f64,
+    pub attention_ms: f64,
+    pub router_ms: f64,
+    pub expert_wait_ms: f64,
+    pub expert_compute_ms: f64,
+    pub mlp_ms: f64,
+    pub lm_head_ms: f64,
+}
+
+impl From<&Timers> for PhaseMs {
+    fn from(t: &Timers) -> Self {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        PhaseMs {
+            embed_ms: ms(t.embed),
+            attention_ms: ms(t.attention),
+            router_ms: ms(t.router),
+            expert_wait_ms: ms(t.expert_wait),
+            expert_compute_ms: ms(t.expert_compute),
+            mlp_ms: ms(t.mlp),
+            lm_head_ms: ms(t.lm_head),
+        }
+    }
+}
+
+/// Peak resident set size of this process, in bytes (Linux `VmHWM`).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

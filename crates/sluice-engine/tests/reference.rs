@@ -1,0 +1,90 @@
+//! Every tiny fixture checkpoint against the logits `transformers` computed for it
+//! (fixtures/tiny, made by scripts/make_fixtures.py): prefill and token-by-token
+//! decode both within max |diff| <= 1e-3 x max |ref|.
+
+use std::path::{Path, PathBuf};
+
+use sluice_engine::{Logits, Model};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny")
+}
+
+struct Reference {
+    tokens: Vec<u32>,
+    vocab: usize,
+    logits: Vec<f32>,
+}
+
+fn reference(dir: &Path) -> Reference {
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let tokens = meta["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let vocab = meta["vocab_size"].as_u64().unwrap() as usize;
+    let bytes = std::fs::read(dir.join(meta["logits"].as_str().unwrap())).unwrap();
+    let logits = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    Reference { tokens, vocab, logits }
+}
+
+/// max |a - b| / max |b|
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let max_ref = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let max_diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    max_diff / max_ref
+}
+
+fn check(name: &str) {
+    let dir = fixtures().join(name);
+    let r = reference(&dir);
+    let model = Model::open(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(model.spec.vocab_size, r.vocab);
+
+    let mut s = model.session();
+    let prefill = s.forward(&r.tokens, Logits::All).unwrap();
+    let e = rel_err(&prefill, &r.logits);
+    assert!(e <= 1e-3, "{name} prefill: max|diff|/max|ref| = {e:e}");
+
+    let mut s = model.session();
+    let mut decode = Vec::new();
+    for &t in &r.tokens {
+        decode.extend(s.forward(&[t], Logits::All).unwrap());
+    }
+    let e2 = rel_err(&decode, &r.logits);
+    assert!(e2 <= 1e-3, "{name} decode: max|diff|/max|ref| = {e2:e}");
+    eprintln!("{name}: prefill {e:.2e}, decode {e2:.2e}");
+
+    // Each mode is bitwise repeatable.
+    let mut s = model.session();
+    assert_eq!(s.forward(&r.tokens, Logits::All).unwrap(), prefill, "{name}: prefill not repeatable");
+}
+
+#[test]
+fn gemma4_moe() {
+    check("gemma4-moe");
+}
+
+#[test]
+fn gemma4_dense() {
+    check("gemma4-dense");
+}
+
+#[test]
+fn qwen3_moe() {
+    check("qwen3-moe");
+}
+
+#[test]
+fn qwen3_moe_fused() {
+    check("qwen3-moe-fused");
+}
+
+#[test]
+fn qwen3() {
+    check("qwen3");
+}
+
+#[test]
+fn llama() {
+    check("llama");
+}

@@ -1,0 +1,161 @@
+//! A model on disk: its [`ModelSpec`] and its tensors by canonical identity.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use sluice_core::{Error, Family, ModelSpec, MoeSpec, Result};
+
+use crate::mapped::TensorView;
+use crate::names::{hf_name, TensorId, TensorKind};
+use crate::{hf_config, safetensors};
+
+pub struct Checkpoint {
+    pub path: PathBuf,
+    pub spec: ModelSpec,
+    /// Module path of the language model in tensor names (`model.` and the like).
+    prefix: String,
+    tensors: HashMap<String, TensorView>,
+}
+
+/// One routed expert's three matrices, each `[rows, cols]` as a Linear weight.
+#[derive(Clone, Debug)]
+pub struct ExpertMats {
+    pub gate: TensorView,
+    pub up: TensorView,
+    pub down: TensorView,
+}
+
+impl ExpertMats {
+    pub fn bytes(&self) -> usize {
+        self.gate.len_bytes() + self.up.len_bytes() + self.down.len_bytes()
+    }
+}
+
+impl Checkpoint {
+    /// Opens a Hugging Face model folder (config.json + safetensors).
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        if !meta.is_dir() {
+            return Err(Error::format(
+                path,
+                "not a model folder (expected a Hugging Face folder with config.json)",
+            ));
+        }
+        let cfg = hf_config::read(path)?;
+        let mut spec = cfg.spec;
+        let tensors = safetensors::read_folder(path)?;
+        let candidates: &[&str] = if cfg.wrapped {
+            &["model.language_model.", "language_model.model.", "model."]
+        } else {
+            &["model.", "", "model.language_model."]
+        };
+        let prefix = candidates
+            .iter()
+            .find(|p| tensors.contains_key(&format!("{p}embed_tokens.weight")))
+            .ok_or_else(|| Error::MissingTensor {
+                path: path.to_path_buf(),
+                name: format!("{}embed_tokens.weight", candidates[0]),
+            })?
+            .to_string();
+        spec.weight_dtype = tensors.get(&format!("{prefix}embed_tokens.weight")).map(|t| t.dtype);
+        // A checkpoint without lm_head ties it to the embedding whatever the config says.
+        if !tensors.contains_key("lm_head.weight") {
+            spec.tie_word_embeddings = true;
+        }
+        Ok(Checkpoint {
+            path: path.to_path_buf(),
+            spec,
+            prefix,
+            tensors,
+        })
+    }
+
+    pub fn family(&self) -> Family {
+        self.spec.family
+    }
+
+    /// The name this checkpoint's format gives to a tensor.
+    pub fn name(&self, id: TensorId) -> String {
+        hf_name(self.spec.family, &self.prefix, id)
+    }
+
+    pub fn get(&self, id: TensorId) -> Option<&TensorView> {
+        self.tensors.get(&self.name(id))
+    }
+
+    pub fn contains(&self, id: TensorId) -> bool {
+        self.get(id).is_some()
+    }
+
+    /// A tensor that must exist with exactly this shape.
+    pub fn tensor(&self, id: TensorId, shape: &[usize]) -> Result<TensorView> {
+        self.optional(id, shape)?.ok_or_else(|| Error::MissingTensor {
+            path: self.path.clone(),
+            name: self.name(id),
+        })
+    }
+
+    /// A tensor that may be absent, but if present has exactly this shape.
+    pub fn optional(&self, id: TensorId, shape: &[usize]) -> Result<Option<TensorView>> {
+        let Some(t) = self.get(id) else { return Ok(None) };
+        if t.shape != shape {
+            return Err(Error::TensorShape {
+                path: t.path().to_path_buf(),
+                name: t.name.clone(),
+                expected: format!("shape {shape:?}"),
+                got: format!("shape {:?}", t.shape),
+            });
+        }
+        Ok(Some(t.clone()))
+    }
+
+    /// The routed experts of one layer, from whichever form the file holds them in:
+    /// one fused 3-D gate_up tensor, separate 3-D gate / up tensors, or 2-D tensors
+    /// per expert.
+    pub fn experts(&self, layer: usize, moe: &MoeSpec, hidden: usize) -> Result<Vec<ExpertMats>> {
+        let (e, i, h) = (moe.n_experts, moe.intermediate, hidden);
+        let id = |k| TensorId::layer(layer, k);
+        if self.contains(id(TensorKind::ExpsGateUp)) || self.contains(id(TensorKind::ExpsDown)) {
+            let down = self.tensor(id(TensorKind::ExpsDown), &[e, h, i])?;
+            let (gate, up) = if self.contains(id(TensorKind::ExpsGateUp)) {
+                let gu = self.tensor(id(TensorKind::ExpsGateUp), &[e, 2 * i, h])?;
+                (0..e)
+                    .map(|x| {
+                        let m = gu.index0(x);
+                        (m.rows(0, i), m.rows(i, i))
+                    })
+                    .unzip::<_, _, Vec<_>, Vec<_>>()
+            } else {
+                let g = self.tensor(id(TensorKind::ExpsGate), &[e, i, h])?;
+                let u = self.tensor(id(TensorKind::ExpsUp), &[e, i, h])?;
+                ((0..e).map(|x| g.index0(x)).collect(), (0..e).map(|x| u.index0(x)).collect())
+            };
+            return Ok(gate
+                .into_iter()
+                .zip(up)
+                .enumerate()
+                .map(|(x, (gate, up))| ExpertMats {
+                    gate,
+                    up,
+                    down: down.index0(x),
+                })
+                .collect());
+        }
+        (0..e)
+            .map(|x| {
+                Ok(ExpertMats {
+                    gate: self.tensor(id(TensorKind::ExpGate(x)), &[i, h])?,
+                    up: self.tensor(id(TensorKind::ExpUp(x)), &[i, h])?,
+                    down: self.tensor(id(TensorKind::ExpDown(x)), &[h, i])?,
+                })
+            })
+            .collect()
+    }
+
+    /// Every tensor, sorted by name.
+    pub fn tensors(&self) -> Vec<&TensorView> {
+        let mut v: Vec<&TensorView> = self.tensors.values().collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+}

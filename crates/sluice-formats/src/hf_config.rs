@@ -1,0 +1,464 @@
+//! Hugging Face `config.json` to [`ModelSpec`].
+//!
+//! Each family's reading follows what its `transformers` configuration class does
+//! with the same fields, defaults included, since a checkpoint's config.json only
+//! holds what differs from those defaults.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+use sluice_core::{
+    Activation, AttentionSpec, Error, Family, LayerSpec, ModelSpec, MoeSpec, PleSpec, Result, RopeScaling, RopeSpec,
+    RopeStyle, RouterKind,
+};
+
+pub const SUPPORTED: &str = "gemma4, gemma4_text, llama, qwen2, qwen3, qwen3_moe";
+
+/// A JSON object with the file it came from, for errors that name both.
+#[derive(Clone, Copy)]
+struct Cfg<'a> {
+    path: &'a Path,
+    obj: &'a Map<String, Value>,
+}
+
+impl<'a> Cfg<'a> {
+    fn err(&self, msg: String) -> Error {
+        Error::config(self.path, msg)
+    }
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+    fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| self.err(format!("'{key}' must be a non-negative integer, found {v}"))),
+        }
+    }
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.usize_opt(key)?
+            .ok_or_else(|| self.err(format!("'{key}' is missing")))
+    }
+    fn f32_opt(&self, key: &str) -> Result<Option<f32>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(|x| Some(x as f32))
+                .ok_or_else(|| self.err(format!("'{key}' must be a number, found {v}"))),
+        }
+    }
+    fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.err(format!("'{key}' must be true or false, found {v}"))),
+        }
+    }
+    fn str_opt(&self, key: &str) -> Result<Option<&'a str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.err(format!("'{key}' must be a string, found {v}"))),
+        }
+    }
+    fn ids(&self, key: &str) -> Result<Vec<u32>> {
+        match self.get(key) {
+            None => Ok(vec![]),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_u64().map(|x| x as u32))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| self.err(format!("'{key}' must be a list of token ids"))),
+            Some(v) => v
+                .as_u64()
+                .map(|x| vec![x as u32])
+                .ok_or_else(|| self.err(format!("'{key}' must be a token id or a list of them, found {v}"))),
+        }
+    }
+    fn sub(&self, key: &str) -> Result<Option<Cfg<'a>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Object(obj)) => Ok(Some(Cfg { path: self.path, obj })),
+            Some(v) => Err(self.err(format!("'{key}' must be an object, found {v}"))),
+        }
+    }
+}
+
+/// What a Hugging Face folder's config says, plus where its tensors are named from.
+pub struct HfConfig {
+    pub spec: ModelSpec,
+    /// True when the language model sits inside a multimodal wrapper
+    /// (`model.language_model.*` tensor names).
+    pub wrapped: bool,
+}
+
+pub fn read(dir: &Path) -> Result<HfConfig> {
+    let path: PathBuf = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let root: Value =
+        serde_json::from_str(&text).map_err(|e| Error::config(&path, format!("invalid JSON: {e}")))?;
+    let obj = root
+        .as_object()
+        .ok_or_else(|| Error::config(&path, "the top level is not an object"))?;
+    let top = Cfg { path: &path, obj };
+    let outer_type = top.str_opt("model_type")?.unwrap_or("").to_string();
+    // Multimodal wrappers keep the language model's settings under text_config.
+    let (cfg, wrapped) = match top.sub("text_config")? {
+        Some(t) => (t, true),
+        None => (top, false),
+    };
+    let model_type = cfg.str_opt("model_type")?.map(str::to_string).unwrap_or(outer_type.clone());
+    let spec = match model_type.as_str() {
+        "gemma4" | "gemma4_text" => gemma4(&cfg, &top)?,
+        "llama" | "qwen2" | "qwen3" | "qwen3_moe" => llama_like(&cfg, &model_type)?,
+        _ => {
+            return Err(Error::UnknownArchitecture {
+                path,
+                model_type: if model_type.is_empty() { "(none)".into() } else { model_type },
+                supported: SUPPORTED.into(),
+            });
+        }
+    };
+    Ok(HfConfig { spec, wrapped })
+}
+
+fn activation(cfg: &Cfg, key: &str, default: Activation) -> Result<Activation> {
+    Ok(match cfg.str_opt(key)? {
+        None => default,
+        Some("silu") | Some("swish") => Activation::Silu,
+        Some("gelu_pytorch_tanh") | Some("gelu_tanh") | Some("gelu_new") => Activation::GeluTanh,
+        Some(other) => return Err(cfg.err(format!("activation '{other}' is not supported (silu, gelu_pytorch_tanh)"))),
+    })
+}
+
+/// Reads one RoPE parameter object (`rope_parameters` in transformers 5 form, or the
+/// older `rope_theta` + `rope_scaling` pair) into theta and scaling.
+fn rope_params(cfg: &Cfg, params: Option<&Cfg>, default_theta: f32) -> Result<(f32, RopeScaling)> {
+    let theta = match params {
+        Some(p) => p.f32_opt("rope_theta")?,
+        None => None,
+    }
+    .or(cfg.f32_opt("rope_theta")?)
+    .unwrap_or(default_theta);
+    let scaling_obj = match params {
+        Some(p) => Some(Cfg { path: p.path, obj: p.obj }),
+        None => cfg.sub("rope_scaling")?,
+    };
+    let Some(s) = scaling_obj else {
+        return Ok((theta, RopeScaling::None));
+    };
+    let kind = s.str_opt("rope_type")?.or(s.str_opt("type")?).unwrap_or("default");
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear {
+            factor: s.f32_opt("factor")?.unwrap_or(1.0),
+        },
+        "llama3" => RopeScaling::Llama3 {
+            factor: s.f32_opt("factor")?.ok_or_else(|| s.err("llama3 RoPE needs 'factor'".into()))?,
+            low_freq_factor: s.f32_opt("low_freq_factor")?.unwrap_or(1.0),
+            high_freq_factor: s.f32_opt("high_freq_factor")?.unwrap_or(4.0),
+            original_max_position: s
+                .usize_opt("original_max_position_embeddings")?
+                .ok_or_else(|| s.err("llama3 RoPE needs 'original_max_position_embeddings'".into()))?
+                as f32,
+        },
+        "proportional" => RopeScaling::Proportional {
+            partial: s.f32_opt("partial_rotary_factor")?.unwrap_or(1.0),
+            factor: s.f32_opt("factor")?.unwrap_or(1.0),
+        },
+        other => return Err(s.err(format!("RoPE type '{other}' is not supported"))),
+    };
+    Ok((theta, scaling))
+}
+
+fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
+    let hidden = cfg.usize("hidden_size")?;
+    let n_heads = cfg.usize("num_attention_heads")?;
+    let n_kv = cfg.usize_opt("num_key_value_heads")?.unwrap_or(n_heads);
+    // Qwen3's config class defaults head_dim to 128; the others derive it.
+    let default_hd = if model_type == "qwen3" { 128 } else { hidden / n_heads.max(1) };
+    let head_dim = cfg.usize_opt("head_dim")?.unwrap_or(default_hd);
+    if cfg.bool_opt("use_sliding_window")?.unwrap_or(false) {
+        return Err(cfg.err("use_sliding_window = true is not supported for this family yet".into()));
+    }
+    let n_layers = cfg.usize("num_hidden_layers")?;
+    let vocab = cfg.usize("vocab_size")?;
+    let intermediate = cfg.usize("intermediate_size")?;
+    if n_heads == 0 || n_kv == 0 || n_heads % n_kv != 0 {
+        return Err(cfg.err(format!(
+            "num_attention_heads ({n_heads}) must be a positive multiple of num_key_value_heads ({n_kv})"
+        )));
+    }
+    let rope_cfg = cfg.sub("rope_parameters")?;
+    let (theta, scaling) = rope_params(cfg, rope_cfg.as_ref(), 10000.0)?;
+    let partial = cfg.f32_opt("partial_rotary_factor")?.unwrap_or(1.0);
+    let rotary_dim = ((head_dim as f32 * partial) as usize).max(2);
+    let rope = RopeSpec::new(RopeStyle::Half, theta, head_dim, rotary_dim, &scaling);
+    let qwen3 = model_type.starts_with("qwen3");
+    let moe = if model_type == "qwen3_moe" {
+        // transformers maps num_experts to num_local_experts; both appear in files.
+        let n_experts = match cfg.usize_opt("num_experts")? {
+            Some(n) => n,
+            None => cfg.usize_opt("num_local_experts")?.unwrap_or(128),
+        };
+        let top_k = cfg.usize_opt("num_experts_per_tok")?.unwrap_or(8);
+        if n_experts > 0 && (top_k == 0 || top_k > n_experts) {
+            return Err(cfg.err(format!("num_experts_per_tok ({top_k}) must be between 1 and num_experts ({n_experts})")));
+        }
+        Some((
+            MoeSpec {
+                n_experts,
+                top_k,
+                intermediate: cfg.usize_opt("moe_intermediate_size")?.unwrap_or(768),
+                router: RouterKind::Softmax {
+                    normalize_top_k: cfg.bool_opt("norm_topk_prob")?.unwrap_or(false),
+                },
+            },
+            cfg.usize_opt("decoder_sparse_step")?.unwrap_or(1).max(1),
+            cfg.ids("mlp_only_layers")?,
+        ))
+    } else {
+        None
+    };
+    let layers = (0..n_layers)
+        .map(|i| {
+            let sparse = moe.as_ref().filter(|(m, step, dense_only)| {
+                m.n_experts > 0 && !dense_only.contains(&(i as u32)) && (i + 1) % step == 0
+            });
+            LayerSpec {
+                attention: AttentionSpec {
+                    n_heads,
+                    n_kv_heads: n_kv,
+                    head_dim,
+                    window: None,
+                    rope: rope.clone(),
+                    scale: (head_dim as f32).powf(-0.5),
+                    qk_norm: qwen3,
+                    v_norm: false,
+                    k_eq_v: false,
+                    qkv_bias: model_type == "qwen2" || cfg.bool_opt("attention_bias").ok().flatten().unwrap_or(false),
+                    kv_source: None,
+                },
+                mlp: if sparse.is_some() { None } else { Some(intermediate) },
+                moe: sparse.map(|(m, _, _)| m.clone()),
+            }
+        })
+        .collect();
+    Ok(ModelSpec {
+        family: Family::Llama,
+        arch: model_type.to_string(),
+        vocab_size: vocab,
+        hidden_size: hidden,
+        rms_norm_eps: cfg.f32_opt("rms_norm_eps")?.unwrap_or(1e-6),
+        activation: activation(cfg, "hidden_act", Activation::Silu)?,
+        embed_scale: 1.0,
+        norm_weight_offset: 0.0,
+        final_logit_softcap: None,
+        tie_word_embeddings: cfg.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+        max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(4096),
+        layers,
+        ple: None,
+        bos_token_id: cfg.ids("bos_token_id")?.first().copied(),
+        eos_token_ids: cfg.ids("eos_token_id")?,
+        weight_dtype: None,
+    })
+}
+
+fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
+    let hidden = cfg.usize_opt("hidden_size")?.unwrap_or(2304);
+    let n_layers = cfg.usize_opt("num_hidden_layers")?.unwrap_or(30);
+    let n_heads = cfg.usize_opt("num_attention_heads")?.unwrap_or(8);
+    let n_kv = cfg.usize_opt("num_key_value_heads")?.unwrap_or(4);
+    let head_dim = cfg.usize_opt("head_dim")?.unwrap_or(256);
+    let vocab = cfg.usize_opt("vocab_size")?.unwrap_or(262_144);
+    let intermediate = cfg.usize_opt("intermediate_size")?.unwrap_or(9216);
+    let window = cfg.usize_opt("sliding_window")?.unwrap_or(512);
+    let k_eq_v = cfg.bool_opt("attention_k_eq_v")?.unwrap_or(false);
+    if cfg.str_opt("use_bidirectional_attention")? == Some("all") {
+        return Err(cfg.err("use_bidirectional_attention = \"all\" is not supported for text generation".into()));
+    }
+
+    let layer_types: Vec<bool> = match cfg.get("layer_types") {
+        Some(Value::Array(a)) => {
+            if a.len() != n_layers {
+                return Err(cfg.err(format!("'layer_types' has {} entries for {n_layers} layers", a.len())));
+            }
+            a.iter()
+                .map(|v| match v.as_str() {
+                    Some("sliding_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    _ => Err(cfg.err(format!("unknown layer type {v} in 'layer_types'"))),
+                })
+                .collect::<Result<_>>()?
+        }
+        None => (0..n_layers).map(|i| (i + 1) % 6 != 0).collect(),
+        Some(v) => return Err(cfg.err(format!("'layer_types' must be a list, found {v}"))),
+    };
+    let mut sliding = layer_types;
+    // transformers forces the last layer to full attention.
+    if let Some(last) = sliding.last_mut() {
+        *last = false;
+    }
+    let type_name = |s: bool| if s { "sliding_attention" } else { "full_attention" };
+
+    // Per-layer head dim and KV heads: either the newer sparse `per_layer_config`
+    // (keys are layer indices or layer types) or the older global_* fields, which
+    // apply to full-attention layers (global_head_dim defaults to 512, and the
+    // KV-head override only applies when attention_k_eq_v is set).
+    let mut dims: Vec<(usize, usize)> = vec![(head_dim, n_kv); n_layers];
+    if let Some(plc) = cfg.sub("per_layer_config")? {
+        for (key, val) in plc.obj {
+            let o = val
+                .as_object()
+                .ok_or_else(|| cfg.err(format!("per_layer_config['{key}'] must be an object")))?;
+            let sub = Cfg { path: cfg.path, obj: o };
+            let targets: Vec<usize> = match key.parse::<usize>() {
+                Ok(i) if i < n_layers => vec![i],
+                Ok(i) => return Err(cfg.err(format!("per_layer_config names layer {i} of {n_layers}"))),
+                Err(_) => (0..n_layers).filter(|&i| type_name(sliding[i]) == key).collect(),
+            };
+            for i in targets {
+                if let Some(hd) = sub.usize_opt("head_dim")? {
+                    dims[i].0 = hd;
+                }
+                if let Some(kv) = sub.usize_opt("num_key_value_heads")? {
+                    dims[i].1 = kv;
+                }
+            }
+        }
+    } else {
+        let global_hd = cfg.usize_opt("global_head_dim")?.unwrap_or(512);
+        let global_kv = if k_eq_v { cfg.usize_opt("num_global_key_value_heads")? } else { None };
+        for (i, d) in dims.iter_mut().enumerate() {
+            if !sliding[i] {
+                d.0 = global_hd;
+                if let Some(kv) = global_kv {
+                    d.1 = kv;
+                }
+            }
+        }
+    }
+
+    // RoPE per layer type.
+    let rope_root = cfg.sub("rope_parameters")?;
+    let rope_for = |is_sliding: bool, hd: usize| -> Result<RopeSpec> {
+        let key = type_name(is_sliding);
+        let p = match &rope_root {
+            Some(r) => r.sub(key)?,
+            None => None,
+        };
+        let (theta, scaling) = match p {
+            Some(p) => rope_params(&p, Some(&p), if is_sliding { 10_000.0 } else { 1_000_000.0 })?,
+            None if is_sliding => (10_000.0, RopeScaling::None),
+            None => (1_000_000.0, RopeScaling::Proportional { partial: 0.25, factor: 1.0 }),
+        };
+        Ok(RopeSpec::new(RopeStyle::Half, theta, hd, hd, &scaling))
+    };
+
+    // KV sharing: the last `num_kv_shared_layers` layers reuse the cache of the last
+    // earlier layer of the same type.
+    let n_shared = cfg.usize_opt("num_kv_shared_layers")?.unwrap_or(0);
+    if n_shared > n_layers {
+        return Err(cfg.err(format!("num_kv_shared_layers ({n_shared}) exceeds num_hidden_layers ({n_layers})")));
+    }
+    let first_shared = n_layers - n_shared;
+    let double_wide = cfg.bool_opt("use_double_wide_mlp")?.unwrap_or(false);
+
+    let moe = if cfg.bool_opt("enable_moe_block")?.unwrap_or(false) {
+        let n_experts = cfg.usize("num_experts")?;
+        let top_k = cfg.usize("top_k_experts")?;
+        if top_k == 0 || top_k > n_experts {
+            return Err(cfg.err(format!("top_k_experts ({top_k}) must be between 1 and num_experts ({n_experts})")));
+        }
+        Some(MoeSpec {
+            n_experts,
+            top_k,
+            intermediate: cfg.usize("moe_intermediate_size")?,
+            router: RouterKind::Gemma4,
+        })
+    } else {
+        None
+    };
+
+    let mut layers = Vec::with_capacity(n_layers);
+    for i in 0..n_layers {
+        let (hd, kv) = dims[i];
+        if kv == 0 || n_heads % kv != 0 {
+            return Err(cfg.err(format!(
+                "layer {i}: num_attention_heads ({n_heads}) must be a multiple of its KV heads ({kv})"
+            )));
+        }
+        let kv_source = if i >= first_shared {
+            let src = (0..first_shared).rev().find(|&j| sliding[j] == sliding[i]).ok_or_else(|| {
+                cfg.err(format!("layer {i} shares KV but no earlier layer has type {}", type_name(sliding[i])))
+            })?;
+            Some(src)
+        } else {
+            None
+        };
+        let shared = kv_source.is_some();
+        layers.push(LayerSpec {
+            attention: AttentionSpec {
+                n_heads,
+                n_kv_heads: kv,
+                head_dim: hd,
+                window: sliding[i].then_some(window),
+                rope: rope_for(sliding[i], hd)?,
+                scale: 1.0,
+                qk_norm: true,
+                v_norm: true,
+                k_eq_v: k_eq_v && !sliding[i],
+                qkv_bias: cfg.bool_opt("attention_bias")?.unwrap_or(false),
+                kv_source,
+            },
+            mlp: Some(intermediate * if double_wide && shared { 2 } else { 1 }),
+            moe: moe.clone(),
+        });
+    }
+
+    let ple_dim = cfg.usize_opt("hidden_size_per_layer_input")?.unwrap_or(256);
+    let ple = (ple_dim > 0).then(|| -> Result<PleSpec> {
+        Ok(PleSpec {
+            dim: ple_dim,
+            vocab_size: cfg.usize_opt("vocab_size_per_layer_input")?.unwrap_or(262_144),
+        })
+    });
+    let ple = ple.transpose()?;
+
+    // Token ids may sit on the wrapper or on the text config.
+    let eos = {
+        let e = cfg.ids("eos_token_id")?;
+        if e.is_empty() { top.ids("eos_token_id")? } else { e }
+    };
+    let bos = cfg.ids("bos_token_id")?.first().copied().or(top.ids("bos_token_id")?.first().copied());
+    let tie = match cfg.bool_opt("tie_word_embeddings")? {
+        Some(t) => t,
+        None => top.bool_opt("tie_word_embeddings")?.unwrap_or(true),
+    };
+
+    Ok(ModelSpec {
+        family: Family::Gemma4,
+        arch: "gemma4".into(),
+        vocab_size: vocab,
+        hidden_size: hidden,
+        rms_norm_eps: cfg.f32_opt("rms_norm_eps")?.unwrap_or(1e-6),
+        activation: activation(cfg, "hidden_activation", Activation::GeluTanh)?,
+        embed_scale: (hidden as f64).sqrt() as f32,
+        norm_weight_offset: 0.0,
+        final_logit_softcap: cfg.f32_opt("final_logit_softcapping")?,
+        tie_word_embeddings: tie,
+        max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(131_072),
+        layers,
+        ple,
+        bos_token_id: bos.or(Some(2)),
+        eos_token_ids: if eos.is_empty() { vec![1] } else { eos },
+        weight_dtype: None,
+    })
+}

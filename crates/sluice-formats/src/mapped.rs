@@ -1,0 +1,198 @@
+//! Memory-mapped files and views of the tensors inside them.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use sluice_core::{DType, Error, MatRef, Result};
+
+/// A read-only mapping of one file. Tensors borrow from it through [`TensorView`],
+/// which keeps it alive, so weights are never copied at load.
+pub struct MappedFile {
+    path: PathBuf,
+    mmap: Mmap,
+}
+
+impl MappedFile {
+    pub fn open(path: &Path) -> Result<Arc<MappedFile>> {
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: the mapping is read-only. A file truncated by another process while
+        // mapped can still fault on access; that is the documented limit of mapped
+        // residency (streamed residency reads with pread instead).
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        Ok(Arc::new(MappedFile {
+            path: path.to_path_buf(),
+            mmap,
+        }))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.mmap
+    }
+
+    pub fn len(&self) -> usize {
+        self.mmap.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.mmap.is_empty()
+    }
+}
+
+/// One tensor: its name in the source file, type, shape (outermost first) and the
+/// byte range that holds it.
+#[derive(Clone)]
+pub struct TensorView {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    file: Arc<MappedFile>,
+    offset: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for TensorView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} {:?}", self.name, self.dtype, self.shape)
+    }
+}
+
+impl TensorView {
+    /// A view of `len` bytes at `offset` in `file`. Fails, naming the file and the
+    /// tensor, if the range is outside the file or does not match the shape.
+    pub fn new(
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+        file: Arc<MappedFile>,
+        offset: usize,
+        len: usize,
+    ) -> Result<TensorView> {
+        let inner = shape.last().copied().unwrap_or(1);
+        let outer = shape[..shape.len().saturating_sub(1)]
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d));
+        let expected = outer.and_then(|o| dtype.bytes_for(inner).and_then(|rb| rb.checked_mul(o)));
+        if expected != Some(len) {
+            return Err(Error::format(
+                file.path(),
+                format!("tensor '{name}': {len} bytes do not hold a {dtype} tensor of shape {shape:?}"),
+            ));
+        }
+        if offset.checked_add(len).is_none_or(|end| end > file.len()) {
+            return Err(Error::format(
+                file.path(),
+                format!(
+                    "tensor '{name}' lies past the end of the file ({} + {} > {} bytes)",
+                    offset,
+                    len,
+                    file.len()
+                ),
+            ));
+        }
+        Ok(TensorView {
+            name,
+            dtype,
+            shape,
+            file,
+            offset,
+            len,
+        })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.file.bytes()[self.offset..self.offset + self.len]
+    }
+
+    pub fn path(&self) -> &Path {
+        self.file.path()
+    }
+
+    pub fn file(&self) -> &Arc<MappedFile> {
+        &self.file
+    }
+
+    /// Byte offset of the tensor in its file (for streamed reads).
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    pub fn len_bytes(&self) -> usize {
+        self.len
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The tensor as a matrix: the last dim is the row, all outer dims are rows.
+    pub fn mat(&self) -> MatRef<'_> {
+        let cols = self.shape.last().copied().unwrap_or(1);
+        let rows = self.numel() / cols.max(1);
+        MatRef {
+            dtype: self.dtype,
+            rows,
+            cols,
+            data: self.bytes(),
+        }
+    }
+
+    /// The `i`-th slice along the outermost dimension (expert `i` of a 3-D tensor).
+    pub fn index0(&self, i: usize) -> TensorView {
+        let n = self.shape[0];
+        assert!(i < n, "index {i} out of range for {self:?}");
+        let step = self.len / n;
+        TensorView {
+            name: format!("{}[{i}]", self.name),
+            dtype: self.dtype,
+            shape: self.shape[1..].to_vec(),
+            file: self.file.clone(),
+            offset: self.offset + i * step,
+            len: step,
+        }
+    }
+
+    /// Rows `start..start + n` of a 2-D tensor.
+    pub fn rows(&self, start: usize, n: usize) -> TensorView {
+        assert!(self.shape.len() == 2 && start + n <= self.shape[0]);
+        let rb = self.len / self.shape[0];
+        TensorView {
+            name: format!("{}[{start}..{}]", self.name, start + n),
+            dtype: self.dtype,
+            shape: vec![n, self.shape[1]],
+            file: self.file.clone(),
+            offset: self.offset + start * rb,
+            len: n * rb,
+        }
+    }
+
+    /// Copies a small tensor (a norm weight, a scale) out as f32. Only plain types.
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        let b = self.bytes();
+        Ok(match self.dtype {
+            DType::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            DType::F16 => b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            DType::BF16 => b
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(Error::format(
+                    self.path(),
+                    format!("tensor '{}' is {other}; a plain float type was expected", self.name),
+                ));
+            }
+        })
+    }
+}

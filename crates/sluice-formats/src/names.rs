@@ -1,0 +1,138 @@
+//! Canonical tensor identities, and what each source format calls them.
+//!
+//! The families ask for tensors by meaning (`TensorKind::AttnQ` of layer 3); the
+//! name maps here say where each format keeps them. The kinds follow GGUF's
+//! semantics: `AttnNorm` is the norm before attention, `FfnNorm` the one before the
+//! feed-forward block, whatever a Hugging Face family happens to call them.
+
+use sluice_core::Family;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TensorKind {
+    TokenEmbd,
+    OutputNorm,
+    Output,
+    // Gemma 4 per-layer embeddings, model level.
+    PleTokenEmbd,
+    PleModelProj,
+    PleProjNorm,
+    // Attention.
+    AttnNorm,
+    AttnQ,
+    AttnK,
+    AttnV,
+    AttnOut,
+    AttnQBias,
+    AttnKBias,
+    AttnVBias,
+    AttnQNorm,
+    AttnKNorm,
+    AttnPostNorm,
+    // Feed-forward.
+    FfnNorm,
+    FfnGate,
+    FfnUp,
+    FfnDown,
+    FfnPostNorm,
+    /// Gemma 4 MoE layers: after the dense MLP, before and after the experts.
+    FfnPostNorm1,
+    FfnPreNorm2,
+    FfnPostNorm2,
+    /// Router projection `[n_experts, hidden]`.
+    Router,
+    RouterScale,
+    RouterExpertScale,
+    /// Experts fused in one 3-D tensor `[E, 2I, H]` (gate rows, then up rows).
+    ExpsGateUp,
+    ExpsGate,
+    ExpsUp,
+    ExpsDown,
+    /// One expert's 2-D tensors (the Hugging Face hub form).
+    ExpGate(usize),
+    ExpUp(usize),
+    ExpDown(usize),
+    LayerScalar,
+    // Gemma 4 per-layer embeddings, per layer.
+    PleGate,
+    PleProj,
+    PlePostNorm,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TensorId {
+    pub layer: Option<usize>,
+    pub kind: TensorKind,
+}
+
+impl TensorId {
+    pub fn model(kind: TensorKind) -> Self {
+        TensorId { layer: None, kind }
+    }
+    pub fn layer(layer: usize, kind: TensorKind) -> Self {
+        TensorId {
+            layer: Some(layer),
+            kind,
+        }
+    }
+}
+
+/// The Hugging Face name of a tensor. `prefix` is the language model's module path
+/// (`model.` or `model.language_model.` for multimodal wrappers).
+pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
+    use TensorKind::*;
+    let gemma = family == Family::Gemma4;
+    let global = |s: &str| format!("{prefix}{s}");
+    let Some(l) = id.layer else {
+        return match id.kind {
+            TokenEmbd => global("embed_tokens.weight"),
+            OutputNorm => global("norm.weight"),
+            Output => "lm_head.weight".to_string(),
+            PleTokenEmbd => global("embed_tokens_per_layer.weight"),
+            PleModelProj => global("per_layer_model_projection.weight"),
+            PleProjNorm => global("per_layer_projection_norm.weight"),
+            other => format!("{prefix}<{other:?} has no model-level name>"),
+        };
+    };
+    // Gemma 4 keeps the router and experts beside the MLP; Qwen keeps them inside it.
+    let moe = if gemma { "" } else { "mlp." };
+    let rel = match id.kind {
+        AttnNorm => "input_layernorm.weight".to_string(),
+        AttnQ => "self_attn.q_proj.weight".into(),
+        AttnK => "self_attn.k_proj.weight".into(),
+        AttnV => "self_attn.v_proj.weight".into(),
+        AttnOut => "self_attn.o_proj.weight".into(),
+        AttnQBias => "self_attn.q_proj.bias".into(),
+        AttnKBias => "self_attn.k_proj.bias".into(),
+        AttnVBias => "self_attn.v_proj.bias".into(),
+        AttnQNorm => "self_attn.q_norm.weight".into(),
+        AttnKNorm => "self_attn.k_norm.weight".into(),
+        // Llama's "post_attention_layernorm" is the norm before the MLP.
+        AttnPostNorm => "post_attention_layernorm.weight".into(),
+        FfnNorm if gemma => "pre_feedforward_layernorm.weight".into(),
+        FfnNorm => "post_attention_layernorm.weight".into(),
+        FfnGate => "mlp.gate_proj.weight".into(),
+        FfnUp => "mlp.up_proj.weight".into(),
+        FfnDown => "mlp.down_proj.weight".into(),
+        FfnPostNorm => "post_feedforward_layernorm.weight".into(),
+        FfnPostNorm1 => "post_feedforward_layernorm_1.weight".into(),
+        FfnPreNorm2 => "pre_feedforward_layernorm_2.weight".into(),
+        FfnPostNorm2 => "post_feedforward_layernorm_2.weight".into(),
+        Router if gemma => "router.proj.weight".into(),
+        Router => "mlp.gate.weight".into(),
+        RouterScale => "router.scale".into(),
+        RouterExpertScale => "router.per_expert_scale".into(),
+        ExpsGateUp => format!("{moe}experts.gate_up_proj"),
+        ExpsGate => format!("{moe}experts.gate_proj"),
+        ExpsUp => format!("{moe}experts.up_proj"),
+        ExpsDown => format!("{moe}experts.down_proj"),
+        ExpGate(e) => format!("{moe}experts.{e}.gate_proj.weight"),
+        ExpUp(e) => format!("{moe}experts.{e}.up_proj.weight"),
+        ExpDown(e) => format!("{moe}experts.{e}.down_proj.weight"),
+        LayerScalar => "layer_scalar".into(),
+        PleGate => "per_layer_input_gate.weight".into(),
+        PleProj => "per_layer_projection.weight".into(),
+        PlePostNorm => "post_per_layer_input_norm.weight".into(),
+        other => format!("<{other:?} has no layer-level name>"),
+    };
+    format!("{prefix}layers.{l}.{rel}")
+}
