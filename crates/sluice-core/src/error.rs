@@ -21,20 +21,11 @@ pub enum Error {
     #[error("{}: {msg}", path.display())]
     Config { path: PathBuf, msg: String },
     #[error("unsupported model type '{model_type}' in {} (supported: {supported})", path.display())]
-    UnknownArchitecture {
-        path: PathBuf,
-        model_type: String,
-        supported: String,
-    },
+    UnknownArchitecture { path: PathBuf, model_type: String, supported: String },
     #[error("tensor '{name}' is missing from {}", path.display())]
     MissingTensor { path: PathBuf, name: String },
     #[error("tensor '{name}' in {} has {got}, expected {expected}", path.display())]
-    TensorShape {
-        path: PathBuf,
-        name: String,
-        expected: String,
-        got: String,
-    },
+    TensorShape { path: PathBuf, name: String, expected: String, got: String },
     #[error("token id {id} is outside the vocabulary (size {vocab_size})")]
     TokenOutOfRange { id: u64, vocab_size: usize },
     #[error("the sequence needs {needed} positions but the context holds {limit}")]
@@ -52,27 +43,15 @@ pub enum Error {
 
 impl Error {
     pub fn io(path: impl AsRef<Path>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.as_ref().to_path_buf(),
-            source,
-        }
+        Error::Io { path: path.as_ref().to_path_buf(), source }
     }
     pub fn format(path: impl AsRef<Path>, msg: impl Into<String>) -> Self {
-        Error::Format {
-            path: path.as_ref().to_path_buf(),
-            msg: msg.into(),
-        }
+        Error::Format { path: path.as_ref().to_path_buf(), msg: msg.into() }
     }
     pub fn config(path: impl AsRef<Path>, msg: impl Into<String>) -> Self {
-        Error::Config {
-            path: path.as_ref().to_path_buf(),
-            msg: msg.into(),
-        }
+        Error::Config { path: path.as_ref().to_path_buf(), msg: msg.into() }
     }
     pub fn tokenizer(path: impl AsRef<Path>, msg: impl Into<String>) -> Self {
-        Error::Tokenizer {
-            path: path.as_ref().to_path_buf(),
-            msg: msg.into(),
-        }
+        Error::Tokenizer { path: path.as_ref().to_path_buf(), msg: msg.into() }
     }
 }

@@ -18,12 +18,7 @@ impl<'a> MatRef<'a> {
     /// Checks that `data` holds exactly `rows` x `cols` elements of `dtype`.
     pub fn new(dtype: DType, rows: usize, cols: usize, data: &'a [u8]) -> Option<Self> {
         let row_bytes = dtype.bytes_for(cols)?;
-        (row_bytes.checked_mul(rows)? == data.len()).then_some(MatRef {
-            dtype,
-            rows,
-            cols,
-            data,
-        })
+        (row_bytes.checked_mul(rows)? == data.len()).then_some(MatRef { dtype, rows, cols, data })
     }
 
     pub fn row_bytes(&self) -> usize {
@@ -38,11 +33,6 @@ impl<'a> MatRef<'a> {
     /// Rows `start..start + n` as a matrix of their own.
     pub fn rows_range(&self, start: usize, n: usize) -> MatRef<'a> {
         let rb = self.row_bytes();
-        MatRef {
-            dtype: self.dtype,
-            rows: n,
-            cols: self.cols,
-            data: &self.data[start * rb..(start + n) * rb],
-        }
+        MatRef { dtype: self.dtype, rows: n, cols: self.cols, data: &self.data[start * rb..(start + n) * rb] }
     }
 }

@@ -47,7 +47,9 @@ pub struct RopeSpec {
 pub enum RopeScaling {
     None,
     /// Frequencies divided by `factor`.
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     Llama3 {
         factor: f32,
         low_freq_factor: f32,
@@ -56,7 +58,10 @@ pub enum RopeScaling {
     },
     /// Gemma 4 full-attention layers: only the first `partial` fraction of the pairs
     /// rotate, with exponents taken over the whole head dim.
-    Proportional { partial: f32, factor: f32 },
+    Proportional {
+        partial: f32,
+        factor: f32,
+    },
 }
 
 impl RopeSpec {
@@ -81,12 +86,7 @@ impl RopeSpec {
                 let rot = &mut inv_freq[..rot_half];
                 match *scaling {
                     RopeScaling::Linear { factor } => rot.iter_mut().for_each(|f| *f /= factor),
-                    RopeScaling::Llama3 {
-                        factor,
-                        low_freq_factor,
-                        high_freq_factor,
-                        original_max_position,
-                    } => {
+                    RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
                         let low_wavelen = original_max_position / low_freq_factor;
                         let high_wavelen = original_max_position / high_freq_factor;
                         for f in rot.iter_mut() {
@@ -94,8 +94,8 @@ impl RopeSpec {
                             if wavelen > low_wavelen {
                                 *f /= factor;
                             } else if wavelen >= high_wavelen {
-                                let smooth =
-                                    (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                                let smooth = (original_max_position / wavelen - low_freq_factor)
+                                    / (high_freq_factor - low_freq_factor);
                                 *f = (1.0 - smooth) * *f / factor + smooth * *f;
                             }
                         }
@@ -104,11 +104,7 @@ impl RopeSpec {
                 }
             }
         }
-        RopeSpec {
-            style,
-            inv_freq,
-            attention_factor: 1.0,
-        }
+        RopeSpec { style, inv_freq, attention_factor: 1.0 }
     }
 }
 
@@ -219,13 +215,7 @@ mod tests {
 
     #[test]
     fn proportional_rope_leaves_nope_pairs_unrotated() {
-        let r = RopeSpec::new(
-            RopeStyle::Half,
-            1e6,
-            32,
-            32,
-            &RopeScaling::Proportional { partial: 0.25, factor: 1.0 },
-        );
+        let r = RopeSpec::new(RopeStyle::Half, 1e6, 32, 32, &RopeScaling::Proportional { partial: 0.25, factor: 1.0 });
         assert_eq!(r.inv_freq.len(), 16);
         assert_eq!(r.inv_freq[0], 1.0);
         assert!(r.inv_freq[3] > 0.0);

@@ -24,13 +24,7 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(kv_dim: usize, window: Option<usize>) -> Self {
-        KvCache {
-            kv_dim,
-            window,
-            k: Vec::new(),
-            v: Vec::new(),
-            len: 0,
-        }
+        KvCache { kv_dim, window, k: Vec::new(), v: Vec::new(), len: 0 }
     }
 
     pub fn len(&self) -> usize {
@@ -180,14 +174,7 @@ mod tests {
     /// agree with a naive implementation over the whole sequence.
     #[test]
     fn chunks_and_ring_match_naive() {
-        let p = AttnParams {
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 8,
-            scale: 0.35,
-            window: Some(3),
-            softcap: None,
-        };
+        let p = AttnParams { n_heads: 4, n_kv_heads: 2, head_dim: 8, scale: 0.35, window: Some(3), softcap: None };
         let n = 11;
         let (qd, kd) = (32, 16);
         let q: Vec<f32> = (0..n * qd).map(|i| ((i * 7 % 19) as f32 - 9.0) / 9.0).collect();
@@ -202,7 +189,14 @@ mod tests {
                 let mut s = 0;
                 while s < n {
                     let e = (s + chunk).min(n);
-                    attention(&p, &q[s * qd..e * qd], &k[s * kd..e * kd], &v[s * kd..e * kd], &cache, &mut got[s * qd..e * qd]);
+                    attention(
+                        &p,
+                        &q[s * qd..e * qd],
+                        &k[s * kd..e * kd],
+                        &v[s * kd..e * kd],
+                        &cache,
+                        &mut got[s * qd..e * qd],
+                    );
                     cache.append(&k[s * kd..e * kd], &v[s * kd..e * kd]);
                     s = e;
                 }

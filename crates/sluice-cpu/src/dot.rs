@@ -258,7 +258,12 @@ mod neon {
                     vreinterpretq_f32_u32(vshll_n_u16::<16>(h))
                 }
                 _ => {
-                    let v = [load(dtype, row, i), load(dtype, row, i + 1), load(dtype, row, i + 2), load(dtype, row, i + 3)];
+                    let v = [
+                        load(dtype, row, i),
+                        load(dtype, row, i + 1),
+                        load(dtype, row, i + 2),
+                        load(dtype, row, i + 3),
+                    ];
                     vld1q_f32(v.as_ptr())
                 }
             }

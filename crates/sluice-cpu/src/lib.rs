@@ -12,6 +12,6 @@ pub mod dot;
 pub mod matmul;
 pub mod ops;
 
-pub use attention::{attention, AttnParams, KvCache};
-pub use dot::{dot_f32, dot_row, isa, row_to_f32, set_isa, Isa};
+pub use attention::{AttnParams, KvCache, attention};
+pub use dot::{Isa, dot_f32, dot_row, isa, row_to_f32, set_isa};
 pub use matmul::matmul;

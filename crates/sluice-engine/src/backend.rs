@@ -95,11 +95,7 @@ pub struct HostAct {
 
 impl HostAct {
     pub fn zeros(rows: usize, cols: usize) -> Self {
-        HostAct {
-            rows,
-            cols,
-            data: vec![0.0; rows * cols],
-        }
+        HostAct { rows, cols, data: vec![0.0; rows * cols] }
     }
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.cols..(i + 1) * self.cols]
@@ -185,11 +181,7 @@ impl Backend for Cpu {
     }
 
     fn row(&self, x: &HostAct, i: usize) -> HostAct {
-        HostAct {
-            rows: 1,
-            cols: x.cols,
-            data: x.row(i).to_vec(),
-        }
+        HostAct { rows: 1, cols: x.cols, data: x.row(i).to_vec() }
     }
 
     fn columns(&self, x: &HostAct, start: usize, len: usize) -> HostAct {
@@ -268,11 +260,10 @@ impl Backend for Cpu {
         // Sum each token's experts in router order, so the result does not depend
         // on which experts other tokens in the batch chose.
         let mut out = HostAct::zeros(x.rows, x.cols);
-        for t in 0..x.rows {
-            let o = &mut out.data[t * x.cols..(t + 1) * x.cols];
-            for s in t * k..(t + 1) * k {
-                let w = routing.weights[s];
-                let y = per_slot[s].as_ref().expect("every slot computed");
+        let slots = per_slot.chunks(k).zip(routing.weights.chunks(k));
+        for (o, (ys, ws)) in out.data.chunks_mut(x.cols).zip(slots) {
+            for (y, &w) in ys.iter().zip(ws) {
+                let y = y.as_ref().expect("every slot computed");
                 o.iter_mut().zip(y).for_each(|(a, b)| *a += w * b);
             }
         }

@@ -72,18 +72,11 @@ impl<B: Backend> Attention<B> {
             layer,
             spec: spec.clone(),
             q: load_mat(be, ckpt, id(TensorKind::AttnQ), qd, hidden)?,
-            k: own_kv
-                .then(|| load_mat(be, ckpt, id(TensorKind::AttnK), kvd, hidden))
-                .transpose()?,
-            v: (own_kv && !spec.k_eq_v)
-                .then(|| load_mat(be, ckpt, id(TensorKind::AttnV), kvd, hidden))
-                .transpose()?,
+            k: own_kv.then(|| load_mat(be, ckpt, id(TensorKind::AttnK), kvd, hidden)).transpose()?,
+            v: (own_kv && !spec.k_eq_v).then(|| load_mat(be, ckpt, id(TensorKind::AttnV), kvd, hidden)).transpose()?,
             o: load_mat(be, ckpt, id(TensorKind::AttnOut), hidden, qd)?,
             biases,
-            q_norm: spec
-                .qk_norm
-                .then(|| load_vector(be, ckpt, id(TensorKind::AttnQNorm), hd))
-                .transpose()?,
+            q_norm: spec.qk_norm.then(|| load_vector(be, ckpt, id(TensorKind::AttnQNorm), hd)).transpose()?,
             k_norm: (spec.qk_norm && own_kv)
                 .then(|| load_vector(be, ckpt, id(TensorKind::AttnKNorm), hd))
                 .transpose()?,
@@ -131,9 +124,7 @@ impl<B: Backend> Attention<B> {
             be.rope(&mut k, hd, start, &s.rope);
             step.pending[self.layer] = Some((k, v));
         }
-        let (k, v) = step.pending[src]
-            .as_ref()
-            .expect("a KV-sharing layer runs after the layer it reads");
+        let (k, v) = step.pending[src].as_ref().expect("a KV-sharing layer runs after the layer it reads");
         let cache = step.caches[src].as_ref().expect("the source layer has a cache");
         let a = step.timers.time(|t| &mut t.attention, || be.attention(s, &q, k, v, cache));
         be.matmul(&a, &self.o)
@@ -173,13 +164,15 @@ impl<B: Backend> Mlp<B> {
 
 /// softmax over the router logits of each token, top-k, optionally renormalised,
 /// optionally times a per-expert scale (Gemma 4).
-pub fn route(logits: &[f32], n_experts: usize, top_k: usize, renormalize: bool, expert_scale: Option<&[f32]>) -> Routing {
+pub fn route(
+    logits: &[f32],
+    n_experts: usize,
+    top_k: usize,
+    renormalize: bool,
+    expert_scale: Option<&[f32]>,
+) -> Routing {
     let n = logits.len() / n_experts;
-    let mut r = Routing {
-        top_k,
-        ids: Vec::with_capacity(n * top_k),
-        weights: Vec::with_capacity(n * top_k),
-    };
+    let mut r = Routing { top_k, ids: Vec::with_capacity(n * top_k), weights: Vec::with_capacity(n * top_k) };
     for row in logits.chunks(n_experts) {
         let mut p = row.to_vec();
         sluice_cpu::ops::softmax(&mut p);
@@ -206,22 +199,15 @@ pub fn experts<B: Backend>(
     act: Activation,
 ) -> Result<B::Act> {
     let store = step.store;
-    let lease = step
-        .timers
-        .time(|t| &mut t.expert_wait, || store.fetch(layer, &routing.unique()))?;
+    let lease = step.timers.time(|t| &mut t.expert_wait, || store.fetch(layer, &routing.unique()))?;
     let be = step.be;
-    Ok(step
-        .timers
-        .time(|t| &mut t.expert_compute, || be.experts(x, routing, &lease, act)))
+    Ok(step.timers.time(|t| &mut t.expert_compute, || be.experts(x, routing, &lease, act)))
 }
 
 /// Checks token ids against a vocabulary before any lookup.
 pub fn check_tokens(tokens: &[u32], vocab: usize) -> Result<()> {
     match tokens.iter().find(|&&t| t as usize >= vocab) {
-        Some(&t) => Err(Error::TokenOutOfRange {
-            id: t as u64,
-            vocab_size: vocab,
-        }),
+        Some(&t) => Err(Error::TokenOutOfRange { id: t as u64, vocab_size: vocab }),
         None => Ok(()),
     }
 }

@@ -7,8 +7,8 @@ use sluice_experts::ExpertStore;
 use sluice_formats::Checkpoint;
 
 use crate::backend::{Backend, Cpu};
-use crate::blocks::{check_tokens, Step};
-use crate::families::{gemma4::Gemma4, llama::Llama, Network};
+use crate::blocks::{Step, check_tokens};
+use crate::families::{Network, gemma4::Gemma4, llama::Llama};
 use crate::stats::Timers;
 
 /// Longest run of tokens pushed through the layers at once; longer prompts are
@@ -57,11 +57,7 @@ impl<B: Backend + 'static> Model<B> {
                 a.kv_source.is_none().then(|| self.be.kv_new(a.kv_dim(), a.window))
             })
             .collect();
-        Session {
-            model: self,
-            caches,
-            timers: Timers::default(),
-        }
+        Session { model: self, caches, timers: Timers::default() }
     }
 }
 
@@ -107,10 +103,7 @@ impl<B: Backend + 'static> Session<'_, B> {
         check_tokens(tokens, m.spec.vocab_size)?;
         let needed = self.len() + tokens.len();
         if needed > m.max_context {
-            return Err(Error::ContextTooLong {
-                needed,
-                limit: m.max_context,
-            });
+            return Err(Error::ContextTooLong { needed, limit: m.max_context });
         }
         let mut out = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
@@ -129,11 +122,7 @@ impl<B: Backend + 'static> Session<'_, B> {
             let pending = std::mem::take(&mut step.pending);
             if which == Logits::All || last_chunk {
                 let be = &m.be;
-                let x = if which == Logits::Last {
-                    be.row(&x, be.rows(&x) - 1)
-                } else {
-                    x
-                };
+                let x = if which == Logits::Last { be.row(&x, be.rows(&x) - 1) } else { x };
                 let head = m.net.lm_head();
                 let logits = self.timers.time(
                     |t| &mut t.lm_head,
@@ -154,5 +143,68 @@ impl<B: Backend + 'static> Session<'_, B> {
             }
         }
         Ok(out)
+    }
+}
+
+/// How long a generation took, split into its two phases.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    /// Why it stopped: "eos", "length" or "caller".
+    pub stop: &'static str,
+}
+
+impl GenerationStats {
+    pub fn prefill_tok_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_s.max(1e-9)
+    }
+    /// Decode rate over the tokens after the first (the first comes from prefill).
+    pub fn decode_tok_s(&self) -> f64 {
+        self.generated_tokens.saturating_sub(1) as f64 / self.decode_s.max(1e-9)
+    }
+}
+
+impl<B: Backend + 'static> Session<'_, B> {
+    /// Feeds `prompt`, then samples up to `max_tokens` tokens, handing each to
+    /// `on_token` (which returns false to stop). Stops early at any of `stop_ids`.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        max_tokens: usize,
+        stop_ids: &[u32],
+        sampler: &mut crate::Sampler,
+        mut on_token: impl FnMut(u32) -> Result<bool>,
+    ) -> Result<GenerationStats> {
+        let mut st = GenerationStats { prompt_tokens: prompt.len(), stop: "length", ..Default::default() };
+        if max_tokens == 0 {
+            return Ok(st);
+        }
+        let room = self.model.max_context.saturating_sub(self.len() + prompt.len());
+        let max_tokens = max_tokens.min(room + 1);
+        let t = std::time::Instant::now();
+        let mut logits = self.forward(prompt, Logits::Last)?;
+        st.prefill_s = t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
+        loop {
+            let next = sampler.sample(&logits);
+            st.generated_tokens += 1;
+            if stop_ids.contains(&next) {
+                st.stop = "eos";
+                break;
+            }
+            if !on_token(next)? {
+                st.stop = "caller";
+                break;
+            }
+            if st.generated_tokens >= max_tokens {
+                break;
+            }
+            logits = self.forward(&[next], Logits::Last)?;
+        }
+        st.decode_s = t.elapsed().as_secs_f64();
+        Ok(st)
     }
 }

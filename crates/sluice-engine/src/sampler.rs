@@ -31,12 +31,7 @@ pub struct SamplerConfig {
 
 impl Default for SamplerConfig {
     fn default() -> Self {
-        SamplerConfig {
-            temperature: 0.8,
-            top_k: 40,
-            top_p: 0.95,
-            seed: 0,
-        }
+        SamplerConfig { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 0 }
     }
 }
 
@@ -47,10 +42,7 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Self {
-        Sampler {
-            cfg,
-            rng: Rng(cfg.seed),
-        }
+        Sampler { cfg, rng: Rng(cfg.seed) }
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
@@ -111,19 +103,17 @@ mod tests {
     #[test]
     fn greedy_and_seeded() {
         let logits = [0.1, 2.0, 1.9, -1.0];
-        let mut g = Sampler::new(SamplerConfig {
-            temperature: 0.0,
-            ..Default::default()
-        });
+        let mut g = Sampler::new(SamplerConfig { temperature: 0.0, ..Default::default() });
         assert_eq!(g.sample(&logits), 1);
-        let cfg = SamplerConfig {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 7,
+        let cfg = SamplerConfig { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(cfg);
+            (0..50).map(|_| s.sample(&logits)).collect()
         };
-        let a: Vec<u32> = { let mut s = Sampler::new(cfg); (0..50).map(|_| s.sample(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(cfg); (0..50).map(|_| s.sample(&logits)).collect() };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(cfg);
+            (0..50).map(|_| s.sample(&logits)).collect()
+        };
         assert_eq!(a, b);
         assert!(a.contains(&1) && a.contains(&2));
         // top_k 1 is greedy whatever the temperature.

@@ -58,10 +58,7 @@ impl ExpertStore {
                 None => Ok(Vec::new()),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(ExpertStore {
-            layers,
-            counters: StoreCounters::default(),
-        })
+        Ok(ExpertStore { layers, counters: StoreCounters::default() })
     }
 
     pub fn n_experts(&self, layer: usize) -> usize {
@@ -87,18 +84,11 @@ impl ExpertStore {
                 Error::Unsupported(format!("expert {id} requested from layer {layer}, which has {}", experts.len()))
             })?;
             bytes += e.bytes() as u64;
-            mats.push(ExpertRef {
-                gate: e.gate.mat(),
-                up: e.up.mat(),
-                down: e.down.mat(),
-            });
+            mats.push(ExpertRef { gate: e.gate.mat(), up: e.up.mat(), down: e.down.mat() });
         }
         self.counters.fetches.fetch_add(1, Ordering::Relaxed);
         self.counters.experts_served.fetch_add(ids.len() as u64, Ordering::Relaxed);
         self.counters.bytes_served.fetch_add(bytes, Ordering::Relaxed);
-        Ok(ExpertLease {
-            ids: ids.to_vec(),
-            mats,
-        })
+        Ok(ExpertLease { ids: ids.to_vec(), mats })
     }
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use sluice_core::{Error, Family, ModelSpec, MoeSpec, Result};
 
 use crate::mapped::TensorView;
-use crate::names::{hf_name, TensorId, TensorKind};
+use crate::names::{TensorId, TensorKind, hf_name};
 use crate::{hf_config, safetensors};
 
 pub struct Checkpoint {
@@ -36,10 +36,7 @@ impl Checkpoint {
     pub fn open(path: &Path) -> Result<Checkpoint> {
         let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
         if !meta.is_dir() {
-            return Err(Error::format(
-                path,
-                "not a model folder (expected a Hugging Face folder with config.json)",
-            ));
+            return Err(Error::format(path, "not a model folder (expected a Hugging Face folder with config.json)"));
         }
         let cfg = hf_config::read(path)?;
         let mut spec = cfg.spec;
@@ -62,12 +59,7 @@ impl Checkpoint {
         if !tensors.contains_key("lm_head.weight") {
             spec.tie_word_embeddings = true;
         }
-        Ok(Checkpoint {
-            path: path.to_path_buf(),
-            spec,
-            prefix,
-            tensors,
-        })
+        Ok(Checkpoint { path: path.to_path_buf(), spec, prefix, tensors })
     }
 
     pub fn family(&self) -> Family {
@@ -89,10 +81,7 @@ impl Checkpoint {
 
     /// A tensor that must exist with exactly this shape.
     pub fn tensor(&self, id: TensorId, shape: &[usize]) -> Result<TensorView> {
-        self.optional(id, shape)?.ok_or_else(|| Error::MissingTensor {
-            path: self.path.clone(),
-            name: self.name(id),
-        })
+        self.optional(id, shape)?.ok_or_else(|| Error::MissingTensor { path: self.path.clone(), name: self.name(id) })
     }
 
     /// A tensor that may be absent, but if present has exactly this shape.
@@ -134,11 +123,7 @@ impl Checkpoint {
                 .into_iter()
                 .zip(up)
                 .enumerate()
-                .map(|(x, (gate, up))| ExpertMats {
-                    gate,
-                    up,
-                    down: down.index0(x),
-                })
+                .map(|(x, (gate, up))| ExpertMats { gate, up, down: down.index0(x) })
                 .collect());
         }
         (0..e)

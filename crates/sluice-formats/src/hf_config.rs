@@ -38,8 +38,7 @@ impl<'a> Cfg<'a> {
         }
     }
     fn usize(&self, key: &str) -> Result<usize> {
-        self.usize_opt(key)?
-            .ok_or_else(|| self.err(format!("'{key}' is missing")))
+        self.usize_opt(key)?.ok_or_else(|| self.err(format!("'{key}' is missing")))
     }
     fn f32_opt(&self, key: &str) -> Result<Option<f32>> {
         match self.get(key) {
@@ -53,19 +52,15 @@ impl<'a> Cfg<'a> {
     fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_bool()
-                .map(Some)
-                .ok_or_else(|| self.err(format!("'{key}' must be true or false, found {v}"))),
+            Some(v) => {
+                v.as_bool().map(Some).ok_or_else(|| self.err(format!("'{key}' must be true or false, found {v}")))
+            }
         }
     }
     fn str_opt(&self, key: &str) -> Result<Option<&'a str>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_str()
-                .map(Some)
-                .ok_or_else(|| self.err(format!("'{key}' must be a string, found {v}"))),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| self.err(format!("'{key}' must be a string, found {v}"))),
         }
     }
     fn ids(&self, key: &str) -> Result<Vec<u32>> {
@@ -102,11 +97,8 @@ pub struct HfConfig {
 pub fn read(dir: &Path) -> Result<HfConfig> {
     let path: PathBuf = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-    let root: Value =
-        serde_json::from_str(&text).map_err(|e| Error::config(&path, format!("invalid JSON: {e}")))?;
-    let obj = root
-        .as_object()
-        .ok_or_else(|| Error::config(&path, "the top level is not an object"))?;
+    let root: Value = serde_json::from_str(&text).map_err(|e| Error::config(&path, format!("invalid JSON: {e}")))?;
+    let obj = root.as_object().ok_or_else(|| Error::config(&path, "the top level is not an object"))?;
     let top = Cfg { path: &path, obj };
     let outer_type = top.str_opt("model_type")?.unwrap_or("").to_string();
     // Multimodal wrappers keep the language model's settings under text_config.
@@ -157,9 +149,7 @@ fn rope_params(cfg: &Cfg, params: Option<&Cfg>, default_theta: f32) -> Result<(f
     let kind = s.str_opt("rope_type")?.or(s.str_opt("type")?).unwrap_or("default");
     let scaling = match kind {
         "default" => RopeScaling::None,
-        "linear" => RopeScaling::Linear {
-            factor: s.f32_opt("factor")?.unwrap_or(1.0),
-        },
+        "linear" => RopeScaling::Linear { factor: s.f32_opt("factor")?.unwrap_or(1.0) },
         "llama3" => RopeScaling::Llama3 {
             factor: s.f32_opt("factor")?.ok_or_else(|| s.err("llama3 RoPE needs 'factor'".into()))?,
             low_freq_factor: s.f32_opt("low_freq_factor")?.unwrap_or(1.0),
@@ -210,16 +200,16 @@ fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
         };
         let top_k = cfg.usize_opt("num_experts_per_tok")?.unwrap_or(8);
         if n_experts > 0 && (top_k == 0 || top_k > n_experts) {
-            return Err(cfg.err(format!("num_experts_per_tok ({top_k}) must be between 1 and num_experts ({n_experts})")));
+            return Err(
+                cfg.err(format!("num_experts_per_tok ({top_k}) must be between 1 and num_experts ({n_experts})"))
+            );
         }
         Some((
             MoeSpec {
                 n_experts,
                 top_k,
                 intermediate: cfg.usize_opt("moe_intermediate_size")?.unwrap_or(768),
-                router: RouterKind::Softmax {
-                    normalize_top_k: cfg.bool_opt("norm_topk_prob")?.unwrap_or(false),
-                },
+                router: RouterKind::Softmax { normalize_top_k: cfg.bool_opt("norm_topk_prob")?.unwrap_or(false) },
             },
             cfg.usize_opt("decoder_sparse_step")?.unwrap_or(1).max(1),
             cfg.ids("mlp_only_layers")?,
@@ -315,9 +305,7 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
     let mut dims: Vec<(usize, usize)> = vec![(head_dim, n_kv); n_layers];
     if let Some(plc) = cfg.sub("per_layer_config")? {
         for (key, val) in plc.obj {
-            let o = val
-                .as_object()
-                .ok_or_else(|| cfg.err(format!("per_layer_config['{key}'] must be an object")))?;
+            let o = val.as_object().ok_or_else(|| cfg.err(format!("per_layer_config['{key}'] must be an object")))?;
             let sub = Cfg { path: cfg.path, obj: o };
             let targets: Vec<usize> = match key.parse::<usize>() {
                 Ok(i) if i < n_layers => vec![i],
@@ -391,9 +379,8 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
     for i in 0..n_layers {
         let (hd, kv) = dims[i];
         if kv == 0 || n_heads % kv != 0 {
-            return Err(cfg.err(format!(
-                "layer {i}: num_attention_heads ({n_heads}) must be a multiple of its KV heads ({kv})"
-            )));
+            return Err(cfg
+                .err(format!("layer {i}: num_attention_heads ({n_heads}) must be a multiple of its KV heads ({kv})")));
         }
         let kv_source = if i >= first_shared {
             let src = (0..first_shared).rev().find(|&j| sliding[j] == sliding[i]).ok_or_else(|| {
@@ -425,10 +412,7 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
 
     let ple_dim = cfg.usize_opt("hidden_size_per_layer_input")?.unwrap_or(256);
     let ple = (ple_dim > 0).then(|| -> Result<PleSpec> {
-        Ok(PleSpec {
-            dim: ple_dim,
-            vocab_size: cfg.usize_opt("vocab_size_per_layer_input")?.unwrap_or(262_144),
-        })
+        Ok(PleSpec { dim: ple_dim, vocab_size: cfg.usize_opt("vocab_size_per_layer_input")?.unwrap_or(262_144) })
     });
     let ple = ple.transpose()?;
 

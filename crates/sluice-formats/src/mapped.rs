@@ -21,10 +21,7 @@ impl MappedFile {
         // mapped can still fault on access; that is the documented limit of mapped
         // residency (streamed residency reads with pread instead).
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        Ok(Arc::new(MappedFile {
-            path: path.to_path_buf(),
-            mmap,
-        }))
+        Ok(Arc::new(MappedFile { path: path.to_path_buf(), mmap }))
     }
 
     pub fn path(&self) -> &Path {
@@ -74,9 +71,7 @@ impl TensorView {
         len: usize,
     ) -> Result<TensorView> {
         let inner = shape.last().copied().unwrap_or(1);
-        let outer = shape[..shape.len().saturating_sub(1)]
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d));
+        let outer = shape[..shape.len().saturating_sub(1)].iter().try_fold(1usize, |a, &d| a.checked_mul(d));
         let expected = outer.and_then(|o| dtype.bytes_for(inner).and_then(|rb| rb.checked_mul(o)));
         if expected != Some(len) {
             return Err(Error::format(
@@ -87,22 +82,10 @@ impl TensorView {
         if offset.checked_add(len).is_none_or(|end| end > file.len()) {
             return Err(Error::format(
                 file.path(),
-                format!(
-                    "tensor '{name}' lies past the end of the file ({} + {} > {} bytes)",
-                    offset,
-                    len,
-                    file.len()
-                ),
+                format!("tensor '{name}' lies past the end of the file ({} + {} > {} bytes)", offset, len, file.len()),
             ));
         }
-        Ok(TensorView {
-            name,
-            dtype,
-            shape,
-            file,
-            offset,
-            len,
-        })
+        Ok(TensorView { name, dtype, shape, file, offset, len })
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -134,12 +117,7 @@ impl TensorView {
     pub fn mat(&self) -> MatRef<'_> {
         let cols = self.shape.last().copied().unwrap_or(1);
         let rows = self.numel() / cols.max(1);
-        MatRef {
-            dtype: self.dtype,
-            rows,
-            cols,
-            data: self.bytes(),
-        }
+        MatRef { dtype: self.dtype, rows, cols, data: self.bytes() }
     }
 
     /// The `i`-th slice along the outermost dimension (expert `i` of a 3-D tensor).
@@ -175,18 +153,9 @@ impl TensorView {
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         let b = self.bytes();
         Ok(match self.dtype {
-            DType::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            DType::F16 => b
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            DType::BF16 => b
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
+            DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            DType::F16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            DType::BF16 => b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             other => {
                 return Err(Error::format(
                     self.path(),

@@ -69,10 +69,7 @@ impl TensorId {
         TensorId { layer: None, kind }
     }
     pub fn layer(layer: usize, kind: TensorKind) -> Self {
-        TensorId {
-            layer: Some(layer),
-            kind,
-        }
+        TensorId { layer: Some(layer), kind }
     }
 }
 

@@ -31,14 +31,7 @@ pub fn read_file(path: &Path) -> Result<Vec<TensorView>> {
             }
         };
         let (s, e) = info.data_offsets;
-        out.push(TensorView::new(
-            name,
-            dtype,
-            info.shape.clone(),
-            Arc::clone(&file),
-            data_start + s,
-            e - s,
-        )?);
+        out.push(TensorView::new(name, dtype, info.shape.clone(), Arc::clone(&file), data_start + s, e - s)?);
     }
     Ok(out)
 }

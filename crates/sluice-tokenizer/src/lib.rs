@@ -28,10 +28,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 }
 
@@ -75,19 +72,16 @@ impl Tokenizer {
     pub fn from_hf_dir(dir: &Path) -> Result<Tokenizer> {
         let tokenizer_path = dir.join("tokenizer.json");
         let bytes = std::fs::read(&tokenizer_path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => Error::tokenizer(
-                &tokenizer_path,
-                "not found (a Hugging Face model folder needs tokenizer.json)",
-            ),
+            std::io::ErrorKind::NotFound => {
+                Error::tokenizer(&tokenizer_path, "not found (a Hugging Face model folder needs tokenizer.json)")
+            }
             _ => Error::io(&tokenizer_path, e),
         })?;
         let mut inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| Error::tokenizer(&tokenizer_path, format!("cannot parse: {e}")))?;
         // Some tokenizer.json files carry the truncation and padding of a training run.
         // transformers turns both off unless a call asks for them, and so do we.
-        inner
-            .with_truncation(None)
-            .map_err(|e| Error::tokenizer(&tokenizer_path, e.to_string()))?;
+        inner.with_truncation(None).map_err(|e| Error::tokenizer(&tokenizer_path, e.to_string()))?;
         inner.with_padding(None);
 
         let config_path = dir.join("tokenizer_config.json");
@@ -104,9 +98,7 @@ impl Tokenizer {
         let token_id = |v: &serde_json::Value| token_content(v).and_then(|s| inner.token_to_id(s));
         let gen_ids = |key: &str| -> Vec<u32> {
             match generation.as_ref().and_then(|g| g.get(key)) {
-                Some(serde_json::Value::Array(items)) => {
-                    items.iter().filter_map(json_u32).collect()
-                }
+                Some(serde_json::Value::Array(items)) => items.iter().filter_map(json_u32).collect(),
                 Some(v) => json_u32(v).into_iter().collect(),
                 None => Vec::new(),
             }
@@ -118,11 +110,7 @@ impl Tokenizer {
             Some(v) => token_id(v),
             None => gen_ids("bos_token_id").first().copied(),
         };
-        let mut eos_ids: Vec<u32> = config
-            .get("eos_token")
-            .and_then(token_id)
-            .into_iter()
-            .collect();
+        let mut eos_ids: Vec<u32> = config.get("eos_token").and_then(token_id).into_iter().collect();
         eos_ids.extend(gen_ids("eos_token_id"));
 
         // HF passes `special_tokens_map` to templates: every special token attribute that
@@ -135,37 +123,17 @@ impl Tokenizer {
             .collect();
         if let Some(serde_json::Value::Array(items)) = config.get("additional_special_tokens") {
             let items: Vec<&str> = items.iter().filter_map(token_content).collect();
-            template_tokens.push((
-                "additional_special_tokens".into(),
-                Value::from_serialize(items),
-            ));
+            template_tokens.push(("additional_special_tokens".into(), Value::from_serialize(items)));
         }
 
         let template = find_template(dir, &config_path, &config)?;
-        Tokenizer::assemble(
-            inner,
-            tokenizer_path,
-            Extras {
-                bos_id,
-                eos_ids,
-                template_tokens,
-                template,
-            },
-        )
+        Tokenizer::assemble(inner, tokenizer_path, Extras { bos_id, eos_ids, template_tokens, template })
     }
 
     /// Puts a vocabulary and what its source says about it together; every source ends here.
-    fn assemble(
-        inner: tokenizers::Tokenizer,
-        source: PathBuf,
-        extras: Extras,
-    ) -> Result<Tokenizer> {
-        let special_ids: HashSet<u32> = inner
-            .get_added_tokens_decoder()
-            .into_iter()
-            .filter(|(_, token)| token.special)
-            .map(|(id, _)| id)
-            .collect();
+    fn assemble(inner: tokenizers::Tokenizer, source: PathBuf, extras: Extras) -> Result<Tokenizer> {
+        let special_ids: HashSet<u32> =
+            inner.get_added_tokens_decoder().into_iter().filter(|(_, token)| token.special).map(|(id, _)| id).collect();
 
         let mut eos_ids: Vec<u32> = Vec::new();
         let mut add = |id: u32| {
@@ -187,17 +155,8 @@ impl Tokenizer {
             }
         }
 
-        let template = extras
-            .template
-            .map(|source| ChatTemplate::new(source, extras.template_tokens));
-        Ok(Tokenizer {
-            inner,
-            source,
-            bos_id: extras.bos_id,
-            eos_ids,
-            special_ids,
-            template,
-        })
+        let template = extras.template.map(|source| ChatTemplate::new(source, extras.template_tokens));
+        Ok(Tokenizer { inner, source, bos_id: extras.bos_id, eos_ids, special_ids, template })
     }
 
     /// Encodes text; `add_special` adds what the tokenizer's post-processor adds (e.g. BOS),
@@ -237,8 +196,9 @@ impl Tokenizer {
 
     /// All ids that end generation: eos_token from tokenizer_config.json, eos_token_id (int
     /// or list) from generation_config.json, plus the end-of-turn tokens of the chat formats
-    /// in [`END_OF_TURN_TOKENS`] that exist in the vocabulary (except `<|end|>` where
-    /// `<|return|>` exists: in gpt-oss's format it separates messages within one turn).
+    /// we know (`<end_of_turn>`, `<turn|>`, `<|im_end|>`, `<|eot_id|>`, `<|end|>`,
+    /// `<|return|>`) that exist in the vocabulary; `<|end|>` only where there is no
+    /// `<|return|>`, since in gpt-oss's format it separates messages within one turn.
     pub fn eos_ids(&self) -> &[u32] {
         &self.eos_ids
     }
@@ -254,11 +214,7 @@ impl Tokenizer {
 
     /// Renders the chat template (HF semantics: messages, add_generation_prompt, bos_token,
     /// eos_token, plus any other *_token strings from tokenizer_config.json) to a string.
-    pub fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String> {
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let template = self.template.as_ref().ok_or_else(|| {
             Error::Template(format!(
                 "the model in {} has no chat template (no chat_template.jinja, and none in \
@@ -271,11 +227,7 @@ impl Tokenizer {
 
     /// Encodes a rendered chat prompt. The template already wrote BOS and every other
     /// marker, so, as HF does, this encodes with add_special_tokens=False.
-    pub fn encode_chat(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<Vec<u32>> {
+    pub fn encode_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<u32>> {
         let prompt = self.apply_chat_template(messages, add_generation_prompt)?;
         self.encode(&prompt, false)
     }
@@ -285,17 +237,12 @@ impl Tokenizer {
     pub(crate) fn check_id(&self, id: u32) -> Result<()> {
         match self.inner.id_to_token(id) {
             Some(_) => Ok(()),
-            None => Err(Error::TokenOutOfRange {
-                id: u64::from(id),
-                vocab_size: self.vocab_size(),
-            }),
+            None => Err(Error::TokenOutOfRange { id: u64::from(id), vocab_size: self.vocab_size() }),
         }
     }
 
     pub(crate) fn decode_unchecked(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| Error::tokenizer(&self.source, format!("cannot decode: {e}")))
+        self.inner.decode(ids, skip_special).map_err(|e| Error::tokenizer(&self.source, format!("cannot decode: {e}")))
     }
 }
 
@@ -307,9 +254,7 @@ fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io(path, e)),
     };
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|e| Error::tokenizer(path, format!("invalid JSON: {e}")))
+    serde_json::from_str(&text).map(Some).map_err(|e| Error::tokenizer(path, format!("invalid JSON: {e}")))
 }
 
 /// A special token in a config: a plain string or an AddedToken object `{"content": ...}`.
@@ -337,37 +282,23 @@ fn find_template(
     let jinja_path = dir.join("chat_template.jinja");
     match std::fs::read_to_string(&jinja_path) {
         Ok(text) => {
-            return Ok(Some(TemplateSource {
-                name: jinja_path.display().to_string(),
-                text,
-            }));
+            return Ok(Some(TemplateSource { name: jinja_path.display().to_string(), text }));
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(Error::io(&jinja_path, e)),
     }
 
     if let Some(entry) = config.get("chat_template") {
-        let bad = || {
-            Error::tokenizer(
-                config_path,
-                "chat_template must be a string or a list of {name, template} objects",
-            )
-        };
+        let bad =
+            || Error::tokenizer(config_path, "chat_template must be a string or a list of {name, template} objects");
         let (which, text) = match entry {
             serde_json::Value::String(text) => (None, text.as_str()),
             serde_json::Value::Array(list) => {
                 let named = |want: Option<&str>| {
-                    list.iter().find(|item| {
-                        want.is_none_or(|w| item.get("name").and_then(|n| n.as_str()) == Some(w))
-                    })
+                    list.iter().find(|item| want.is_none_or(|w| item.get("name").and_then(|n| n.as_str()) == Some(w)))
                 };
-                let item = named(Some("default"))
-                    .or_else(|| named(None))
-                    .ok_or_else(bad)?;
-                let text = item
-                    .get("template")
-                    .and_then(|t| t.as_str())
-                    .ok_or_else(bad)?;
+                let item = named(Some("default")).or_else(|| named(None)).ok_or_else(bad)?;
+                let text = item.get("template").and_then(|t| t.as_str()).ok_or_else(bad)?;
                 (item.get("name").and_then(|n| n.as_str()), text)
             }
             serde_json::Value::Null => return Ok(None),
@@ -377,10 +308,7 @@ fn find_template(
             Some(which) => format!("{} (chat_template '{which}')", config_path.display()),
             None => format!("{} (chat_template)", config_path.display()),
         };
-        return Ok(Some(TemplateSource {
-            name,
-            text: text.to_string(),
-        }));
+        return Ok(Some(TemplateSource { name, text: text.to_string() }));
     }
 
     let json_path = dir.join("chat_template.json");
@@ -389,10 +317,7 @@ fn find_template(
             .get("chat_template")
             .and_then(|t| t.as_str())
             .ok_or_else(|| Error::tokenizer(&json_path, "no chat_template string"))?;
-        return Ok(Some(TemplateSource {
-            name: json_path.display().to_string(),
-            text: text.to_string(),
-        }));
+        return Ok(Some(TemplateSource { name: json_path.display().to_string(), text: text.to_string() }));
     }
     Ok(None)
 }

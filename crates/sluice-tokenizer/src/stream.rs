@@ -120,8 +120,7 @@ impl<'a> StreamDecoder<'a> {
     }
 
     fn decode(&self, start: usize, end: usize) -> Result<String> {
-        self.tok
-            .decode_unchecked(&self.ids[start..end], self.skip_special)
+        self.tok.decode_unchecked(&self.ids[start..end], self.skip_special)
     }
 }
 

@@ -45,9 +45,7 @@ impl ChatTemplate {
 
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let env = self.env.as_ref().map_err(|e| Error::Template(e.clone()))?;
-        let template = env
-            .get_template(&self.name)
-            .map_err(|e| Error::Template(describe(&self.name, &e)))?;
+        let template = env.get_template(&self.name).map_err(|e| Error::Template(describe(&self.name, &e)))?;
         // Special tokens first so that the call's own variables win, as in HF where the
         // explicit keyword arguments are spread after `special_tokens_map`. HF passes
         // `tools` and `documents` as None when there are none, which templates test with
@@ -58,9 +56,7 @@ impl ChatTemplate {
         ctx.push(("tools".into(), Value::from(())));
         ctx.push(("documents".into(), Value::from(())));
         let ctx: Value = ctx.into_iter().collect();
-        template
-            .render(ctx)
-            .map_err(|e| Error::Template(describe(&self.name, &e)))
+        template.render(ctx).map_err(|e| Error::Template(describe(&self.name, &e)))
     }
 }
 
@@ -117,10 +113,8 @@ fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> 
 /// Templates put today's date into system prompts (Llama 3.x, Gemma). HF uses local
 /// time; UTC keeps the output independent of the machine's zone and needs no extra crate.
 fn strftime_now(format: String) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     strftime_utc(&format, secs)
 }
 
@@ -138,15 +132,7 @@ const MONTHS: [&str; 12] = [
     "November",
     "December",
 ];
-const WEEKDAYS: [&str; 7] = [
-    "Sunday",
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-];
+const WEEKDAYS: [&str; 7] = ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
 
 /// Formats a Unix time (UTC) with the strftime codes chat templates use. Unknown codes are
 /// copied through unchanged, as glibc does.
@@ -252,10 +238,7 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
                 .collect::<Option<_>>()
                 .filter(|p: &Vec<String>| p.len() == 2)
                 .ok_or_else(|| {
-                    minijinja::Error::new(
-                        ErrorKind::InvalidOperation,
-                        "tojson: separators must be a pair of strings",
-                    )
+                    minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair of strings")
                 })?;
             (parts[0].clone(), parts[1].clone())
         }
@@ -294,9 +277,8 @@ fn write_json(
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
         ValueKind::Number => {
-            let text = serde_json::to_string(value).map_err(|e| {
-                minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}"))
-            })?;
+            let text = serde_json::to_string(value)
+                .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
             out.push_str(&text);
         }
         ValueKind::String => write_json_str(out, value.as_str().unwrap_or_default(), opts),
@@ -410,10 +392,7 @@ mod tests {
         let t = 1_709_211_909;
         assert_eq!(strftime_utc("%Y-%m-%d %H:%M:%S", t), "2024-02-29 13:05:09");
         assert_eq!(strftime_utc("%d %b %Y", t), "29 Feb 2024");
-        assert_eq!(
-            strftime_utc("%A, %B %e; %a %y %j", t),
-            "Thursday, February 29; Thu 24 060"
-        );
+        assert_eq!(strftime_utc("%A, %B %e; %a %y %j", t), "Thursday, February 29; Thu 24 060");
         assert_eq!(strftime_utc("%I %p 100%% %Q", t), "01 PM 100% %Q");
         assert_eq!(strftime_utc("%Y-%m-%d %A", 0), "1970-01-01 Thursday");
         // Before the epoch and across a century that is not a leap year.
@@ -429,26 +408,16 @@ mod tests {
 
     #[test]
     fn tojson_matches_python() {
-        let ctx =
-            minijinja::context! { x => serde_json::json!({"b": [1, 2.5, null], "a": "<é>\n"}) };
+        let ctx = minijinja::context! { x => serde_json::json!({"b": [1, 2.5, null], "a": "<é>\n"}) };
+        assert_eq!(render("{{ x|tojson }}", ctx.clone()), r#"{"a": "<é>\n", "b": [1, 2.5, null]}"#);
         assert_eq!(
-            render("{{ x|tojson }}", ctx.clone()),
-            r#"{"a": "<é>\n", "b": [1, 2.5, null]}"#
-        );
-        assert_eq!(
-            render(
-                "{{ x|tojson(ensure_ascii=true, separators=[',', ':']) }}",
-                ctx.clone()
-            ),
+            render("{{ x|tojson(ensure_ascii=true, separators=[',', ':']) }}", ctx.clone()),
             r#"{"a":"<\u00e9>\n","b":[1,2.5,null]}"#
         );
         assert_eq!(
             render("{{ x|tojson(indent=2) }}", ctx.clone()),
             "{\n  \"a\": \"<é>\\n\",\n  \"b\": [\n    1,\n    2.5,\n    null\n  ]\n}"
         );
-        assert_eq!(
-            render("{{ []|tojson(indent=2) }}{{ {}|tojson }}", ctx),
-            "[]{}"
-        );
+        assert_eq!(render("{{ []|tojson(indent=2) }}{{ {}|tojson }}", ctx), "[]{}");
     }
 }

@@ -10,9 +10,7 @@ use sluice_tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
 /// A fresh, empty folder for one test.
 fn folder(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("sluice-tokenizer")
-        .join(name);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("sluice-tokenizer").join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -45,10 +43,7 @@ fn bos_processor(bos: &str, bos_id: u32) -> Value {
 /// GPT-2's byte-to-character table: printable Latin-1 bytes stand for themselves, the rest
 /// are shifted to U+0100 and up.
 fn byte_chars() -> Vec<char> {
-    let printable: Vec<u32> = (0x21..=0x7E)
-        .chain(0xA1..=0xAC)
-        .chain(0xAE..=0xFF)
-        .collect();
+    let printable: Vec<u32> = (0x21..=0x7E).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
     let mut shifted = 0;
     (0u32..256)
         .map(|b| {
@@ -103,8 +98,7 @@ fn byte_level_folder(name: &str) -> PathBuf {
         vocab.insert(format!("{a}{b}"), json!(256 + i));
         merges.push(format!("{a} {b}"));
     }
-    let byte_level_cfg =
-        json!({"add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let byte_level_cfg = json!({"add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     let with_type = |t: &str| {
         let mut v = byte_level_cfg.clone();
         v["type"] = json!(t);
@@ -137,21 +131,9 @@ fn byte_level_folder(name: &str) -> PathBuf {
 
 // The SentencePiece-style fixture: <unk> <s> </s>, the 256 byte pieces, then these.
 const SP_PIECES: &[&str] = &[
-    "▁", "H", "e", "l", "o", "w", "r", "d", "ll", "ell", "Hell", "Hello", "▁Hello", "▁w", "or",
-    "▁wor", "ld", "▁world",
+    "▁", "H", "e", "l", "o", "w", "r", "d", "ll", "ell", "Hell", "Hello", "▁Hello", "▁w", "or", "▁wor", "ld", "▁world",
 ];
-const SP_MERGES: &[&str] = &[
-    "l l",
-    "e ll",
-    "H ell",
-    "Hell o",
-    "▁ Hello",
-    "▁ w",
-    "o r",
-    "▁w or",
-    "l d",
-    "▁wor ld",
-];
+const SP_MERGES: &[&str] = &["l l", "e ll", "H ell", "Hell o", "▁ Hello", "▁ w", "o r", "▁w or", "l d", "▁wor ld"];
 const SP_BOS: u32 = 1;
 const SP_EOS: u32 = 2;
 const SP_START_OF_TURN: u32 = 3 + 256 + SP_PIECES.len() as u32;
@@ -211,13 +193,16 @@ fn sentencepiece_folder(name: &str) -> PathBuf {
 const MIXED: &str = "hello world, café 你好 😀! naïve 𝄞 ok";
 
 fn msgs(pairs: &[(&str, &str)]) -> Vec<ChatMessage> {
-    pairs
-        .iter()
-        .map(|(r, c)| ChatMessage::new(*r, *c))
-        .collect()
+    pairs.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()
 }
 
 // ---------------------------------------------------------------- encode / decode
+
+#[test]
+fn tokenizer_can_be_shared_across_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Tokenizer>();
+}
 
 #[test]
 fn byte_level_roundtrip() {
@@ -226,12 +211,7 @@ fn byte_level_roundtrip() {
     let ids = tok.encode("hello world", false).unwrap();
     assert_eq!(
         ids,
-        vec![
-            tok.token_to_id("hello").unwrap(),
-            tok.token_to_id("Ġwor").unwrap(),
-            b'l' as u32,
-            b'd' as u32
-        ]
+        vec![tok.token_to_id("hello").unwrap(), tok.token_to_id("Ġwor").unwrap(), b'l' as u32, b'd' as u32]
     );
     for text in [MIXED, "", " leading and trailing  ", "tab\tnew\nline\r\n"] {
         let ids = tok.encode(text, false).unwrap();
@@ -267,31 +247,15 @@ fn add_special_prepends_bos() {
     assert_eq!(tok.bos_id(), None);
 
     let tok = Tokenizer::from_hf_dir(&sentencepiece_folder("sp_bos")).unwrap();
-    assert_eq!(
-        tok.encode("Hello", true).unwrap(),
-        vec![SP_BOS, sp_id("▁Hello")]
-    );
+    assert_eq!(tok.encode("Hello", true).unwrap(), vec![SP_BOS, sp_id("▁Hello")]);
 }
 
 #[test]
 fn special_tokens_in_text_and_skipping() {
     let tok = Tokenizer::from_hf_dir(&byte_level_folder("bl_special")).unwrap();
-    let ids = tok
-        .encode("<|im_start|>hello<think><|im_end|>", false)
-        .unwrap();
-    assert_eq!(
-        ids,
-        vec![
-            BL_IM_START,
-            tok.token_to_id("hello").unwrap(),
-            BL_THINK,
-            BL_IM_END
-        ]
-    );
-    assert_eq!(
-        tok.decode(&ids, false).unwrap(),
-        "<|im_start|>hello<think><|im_end|>"
-    );
+    let ids = tok.encode("<|im_start|>hello<think><|im_end|>", false).unwrap();
+    assert_eq!(ids, vec![BL_IM_START, tok.token_to_id("hello").unwrap(), BL_THINK, BL_IM_END]);
+    assert_eq!(tok.decode(&ids, false).unwrap(), "<|im_start|>hello<think><|im_end|>");
     // Non-special added tokens (<think>) survive skipping, as in HF.
     assert_eq!(tok.decode(&ids, true).unwrap(), "hello<think>");
     assert!(tok.is_special(BL_BOS) && tok.is_special(BL_IM_END));
@@ -310,10 +274,7 @@ fn decode_out_of_range_is_an_error() {
         other => panic!("expected TokenOutOfRange, got {other:?}"),
     }
     let mut stream = StreamDecoder::new(&tok, false);
-    assert!(matches!(
-        stream.push(bad),
-        Err(Error::TokenOutOfRange { .. })
-    ));
+    assert!(matches!(stream.push(bad), Err(Error::TokenOutOfRange { .. })));
 }
 
 // ---------------------------------------------------------------- streaming
@@ -330,10 +291,7 @@ fn check_stream(tok: &Tokenizer, ids: &[u32], skip_special: bool) -> Vec<String>
     assert_eq!(pieces.concat(), full, "pieces {pieces:?}");
     if !full.contains('\u{FFFD}') {
         for p in &pieces {
-            assert!(
-                !p.contains('\u{FFFD}'),
-                "half a character emitted: {pieces:?}"
-            );
+            assert!(!p.contains('\u{FFFD}'), "half a character emitted: {pieces:?}");
         }
     }
     pieces
@@ -347,11 +305,7 @@ fn stream_byte_level_multibyte() {
     let f_c3 = tok.token_to_id(&byte_level(b"f\xc3")).unwrap();
     assert!(ids.contains(&f_c3));
     let pieces = check_stream(&tok, &ids, false);
-    assert_eq!(
-        pieces.last().unwrap(),
-        "",
-        "nothing should be left for finish"
-    );
+    assert_eq!(pieces.last().unwrap(), "", "nothing should be left for finish");
 
     // Byte by byte: "😀" is F0 9F 98 80; nothing comes out until the last byte.
     let mut stream = StreamDecoder::new(&tok, false);
@@ -383,15 +337,7 @@ fn stream_sentencepiece_spaces_and_bytes() {
     check_stream(&tok, &ids, false);
 
     // A space piece on its own and special tokens between words.
-    let ids = vec![
-        SP_BOS,
-        sp_id("▁Hello"),
-        sp_id("▁"),
-        SP_END_OF_TURN,
-        sp_id("▁world"),
-        SP_START_OF_TURN,
-        sp_id("▁"),
-    ];
+    let ids = vec![SP_BOS, sp_id("▁Hello"), sp_id("▁"), SP_END_OF_TURN, sp_id("▁world"), SP_START_OF_TURN, sp_id("▁")];
     check_stream(&tok, &ids, true);
     check_stream(&tok, &ids, false);
 }
@@ -466,11 +412,7 @@ A:
 ";
 
 fn conversation() -> Vec<ChatMessage> {
-    msgs(&[
-        ("system", "  be brief \n"),
-        ("user", "Q: why blue?!"),
-        ("assistant", "Rayleigh."),
-    ])
+    msgs(&[("system", "  be brief \n"), ("user", "Q: why blue?!"), ("assistant", "Rayleigh.")])
 }
 
 /// The byte-level folder with a tokenizer_config.json holding `template`, AddedToken-style
@@ -501,14 +443,8 @@ fn chat_template_python_methods() {
     let body = "<|bos|><|im_start|>user\nBE BRIEF | Q: why blue?! [why blue]<|im_end|>\n\
                 <|im_start|>assistant\nRayleigh.<|im_end|>\n";
     let tail = "lang=fr;{\"x\": \"é<&>\", \"y\": [1, 2.5, null, true]}[]<|eos|>True";
-    assert_eq!(
-        tok.apply_chat_template(&conversation(), true).unwrap(),
-        format!("{body}<|im_start|>assistant\n{tail}")
-    );
-    assert_eq!(
-        tok.apply_chat_template(&conversation(), false).unwrap(),
-        format!("{body}{tail}")
-    );
+    assert_eq!(tok.apply_chat_template(&conversation(), true).unwrap(), format!("{body}<|im_start|>assistant\n{tail}"));
+    assert_eq!(tok.apply_chat_template(&conversation(), false).unwrap(), format!("{body}{tail}"));
 }
 
 #[test]
@@ -528,12 +464,8 @@ fn chat_template_whitespace_like_hf() {
 fn chat_template_raise_exception_is_an_error() {
     let dir = chat_folder("chat_raise", json!(PY_TEMPLATE));
     let tok = Tokenizer::from_hf_dir(&dir).unwrap();
-    let err = tok
-        .apply_chat_template(&msgs(&[("tool", "42")]), true)
-        .unwrap_err();
-    let Error::Template(msg) = &err else {
-        panic!("expected a template error, got {err:?}")
-    };
+    let err = tok.apply_chat_template(&msgs(&[("tool", "42")]), true).unwrap_err();
+    let Error::Template(msg) = &err else { panic!("expected a template error, got {err:?}") };
     assert!(msg.contains("Unknown role: tool"), "{msg}");
     assert!(msg.contains("tokenizer_config.json"), "{msg}");
 }
@@ -541,19 +473,12 @@ fn chat_template_raise_exception_is_an_error() {
 #[test]
 fn chat_template_syntax_error_names_the_file_at_render() {
     let dir = byte_level_folder("chat_syntax");
-    std::fs::write(
-        dir.join("chat_template.jinja"),
-        "{% for m in messages %}{{ m.content }",
-    )
-    .unwrap();
+    std::fs::write(dir.join("chat_template.jinja"), "{% for m in messages %}{{ m.content }").unwrap();
     // Loading succeeds: plain prompts do not need the template.
     let tok = Tokenizer::from_hf_dir(&dir).unwrap();
     assert_eq!(tok.encode("hello", false).unwrap().len(), 1);
     let err = tok.apply_chat_template(&conversation(), true).unwrap_err();
-    assert!(
-        matches!(&err, Error::Template(m) if m.contains("chat_template.jinja")),
-        "{err}"
-    );
+    assert!(matches!(&err, Error::Template(m) if m.contains("chat_template.jinja")), "{err}");
 }
 
 #[test]
@@ -562,16 +487,9 @@ fn chat_template_jinja_file_takes_precedence() {
     let tok = Tokenizer::from_hf_dir(&dir).unwrap();
     assert_eq!(tok.apply_chat_template(&[], false).unwrap(), "from config");
     // The file wins; like Jinja2, one trailing newline of the source is dropped.
-    std::fs::write(
-        dir.join("chat_template.jinja"),
-        "from file {{ bos_token }}\n",
-    )
-    .unwrap();
+    std::fs::write(dir.join("chat_template.jinja"), "from file {{ bos_token }}\n").unwrap();
     let tok = Tokenizer::from_hf_dir(&dir).unwrap();
-    assert_eq!(
-        tok.apply_chat_template(&[], false).unwrap(),
-        "from file <|bos|>"
-    );
+    assert_eq!(tok.apply_chat_template(&[], false).unwrap(), "from file <|bos|>");
 }
 
 #[test]
@@ -582,8 +500,7 @@ fn chat_template_list_form() {
     ]);
     let tok = Tokenizer::from_hf_dir(&chat_folder("chat_list_default", named)).unwrap();
     assert_eq!(tok.apply_chat_template(&[], false).unwrap(), "default");
-    let unnamed =
-        json!([{"name": "rag", "template": "first"}, {"name": "x", "template": "second"}]);
+    let unnamed = json!([{"name": "rag", "template": "first"}, {"name": "x", "template": "second"}]);
     let tok = Tokenizer::from_hf_dir(&chat_folder("chat_list_first", unnamed)).unwrap();
     assert_eq!(tok.apply_chat_template(&[], false).unwrap(), "first");
 }
@@ -597,10 +514,7 @@ fn chat_template_strftime_now() {
     .unwrap();
     let out = tok.apply_chat_template(&[], false).unwrap();
     let (year, date) = out.split_once('|').unwrap();
-    assert!(
-        year.len() == 4 && year.parse::<u32>().unwrap() >= 2025,
-        "{out}"
-    );
+    assert!(year.len() == 4 && year.parse::<u32>().unwrap() >= 2025, "{out}");
     assert!(date.ends_with(year) && date.len() == 11, "{out}");
 }
 
@@ -619,10 +533,7 @@ fn encode_chat_does_not_add_a_second_bos() {
 fn no_chat_template() {
     let tok = Tokenizer::from_hf_dir(&byte_level_folder("chat_none")).unwrap();
     assert!(!tok.has_chat_template());
-    assert!(matches!(
-        tok.apply_chat_template(&conversation(), true),
-        Err(Error::Template(_))
-    ));
+    assert!(matches!(tok.apply_chat_template(&conversation(), true), Err(Error::Template(_))));
 }
 
 // ---------------------------------------------------------------- special ids
@@ -642,16 +553,8 @@ fn bos_and_eos_ids() {
     assert_eq!(tok.eos_ids(), &[BL_EOS, BL_IM_START, BL_IM_END]);
 
     // A single int in generation_config.json; an explicit null bos_token (Qwen) means none.
-    write_json(
-        &dir,
-        "generation_config.json",
-        &json!({"bos_token_id": 7, "eos_token_id": 9}),
-    );
-    write_json(
-        &dir,
-        "tokenizer_config.json",
-        &json!({"bos_token": null, "eos_token": "<|eos|>"}),
-    );
+    write_json(&dir, "generation_config.json", &json!({"bos_token_id": 7, "eos_token_id": 9}));
+    write_json(&dir, "tokenizer_config.json", &json!({"bos_token": null, "eos_token": "<|eos|>"}));
     let tok = Tokenizer::from_hf_dir(&dir).unwrap();
     assert_eq!(tok.bos_id(), None);
     assert_eq!(tok.eos_ids(), &[BL_EOS, 9, BL_IM_END]);
@@ -666,14 +569,10 @@ fn harmony_end_is_not_an_eos() {
     // gpt-oss: <|end|> closes a message inside a turn, <|return|> ends the turn.
     let dir = byte_level_folder("harmony");
     let path = dir.join("tokenizer.json");
-    let mut tokenizer: Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut tokenizer: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let extra = [(BL_BOS + 5, "<|end|>"), (BL_BOS + 6, "<|return|>")];
     for (id, content) in extra {
-        tokenizer["added_tokens"]
-            .as_array_mut()
-            .unwrap()
-            .push(added_token(id, content, true));
+        tokenizer["added_tokens"].as_array_mut().unwrap().push(added_token(id, content, true));
     }
     write_json(&dir, "tokenizer.json", &tokenizer);
     let tok = Tokenizer::from_hf_dir(&dir).unwrap();
@@ -704,11 +603,7 @@ fn missing_tokenizer_json_names_the_path() {
 #[test]
 fn corrupt_files_name_the_file() {
     let dir = folder("corrupt_tokenizer");
-    std::fs::write(
-        dir.join("tokenizer.json"),
-        "{\"version\": \"1.0\", \"model\": ",
-    )
-    .unwrap();
+    std::fs::write(dir.join("tokenizer.json"), "{\"version\": \"1.0\", \"model\": ").unwrap();
     let err = Tokenizer::from_hf_dir(&dir).err().unwrap();
     error_names(&err, &dir.join("tokenizer.json").display().to_string());
 
@@ -726,9 +621,19 @@ fn corrupt_files_name_the_file() {
 
 // ---------------------------------------------------------------- real fixtures
 
-/// Checkpoints made by the fixture script, with real tokenizer.json files and templates.
+fn read_reference(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|i| i.as_u64().unwrap() as u32).collect()
+}
+
+/// The checkpoints of fixtures/tiny, made by scripts/make_fixtures.py with transformers:
+/// our encoding of the reference sentence, our rendering of each reference conversation and
+/// its ids, and the template's error for a bad role must all match what transformers gave.
 #[test]
-fn fixture_checkpoints_load_and_render() {
+fn fixture_checkpoints_match_transformers() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny");
     let Ok(entries) = std::fs::read_dir(&root) else {
         eprintln!("no fixtures at {}; skipped", root.display());
@@ -737,27 +642,45 @@ fn fixture_checkpoints_load_and_render() {
     let mut dirs: Vec<PathBuf> = entries.filter_map(|e| Some(e.ok()?.path())).collect();
     dirs.retain(|d| d.join("tokenizer.json").exists());
     dirs.sort();
+    assert!(!dirs.is_empty());
     for dir in dirs {
-        let tok = Tokenizer::from_hf_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let name = dir.display().to_string();
+        let tok = Tokenizer::from_hf_dir(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+
+        let reference = read_reference(&dir.join("reference.json"));
+        let text = reference["text"].as_str().unwrap();
+        let text_ids = ids_of(&reference["text_ids"]);
+        assert_eq!(tok.encode(text, true).unwrap(), text_ids, "{name}");
+        assert_eq!(tok.decode(&text_ids, true).unwrap(), text, "{name}");
+        check_stream(&tok, &text_ids, true);
+        check_stream(&tok, &text_ids, false);
         let ids = tok.encode(MIXED, false).unwrap();
-        assert_eq!(tok.decode(&ids, false).unwrap(), MIXED, "{}", dir.display());
+        assert_eq!(tok.decode(&ids, false).unwrap(), MIXED, "{name}");
         check_stream(&tok, &ids, false);
-        assert!(
-            !tok.eos_ids().is_empty(),
-            "{}: no end-of-generation ids",
-            dir.display()
-        );
-        if tok.has_chat_template() {
-            let chat = msgs(&[
-                ("user", "Hi there"),
-                ("assistant", "Hello!"),
-                ("user", "2+2?"),
-            ]);
-            let text = tok
-                .apply_chat_template(&chat, true)
-                .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-            assert!(text.contains("2+2?"), "{}: {text}", dir.display());
-            tok.encode_chat(&chat, true).unwrap();
+
+        // generation_config.json's eos_token_id (an int or a list) must all end generation.
+        let eos = &read_reference(&dir.join("generation_config.json"))["eos_token_id"];
+        let eos = if eos.is_array() { ids_of(eos) } else { ids_of(&json!([eos])) };
+        for id in eos {
+            assert!(tok.eos_ids().contains(&id), "{name}: {id} not in {:?}", tok.eos_ids());
         }
+
+        assert!(tok.has_chat_template(), "{name}");
+        let chat = read_reference(&dir.join("chat_reference.json"));
+        for case in chat["cases"].as_array().unwrap() {
+            let messages: Vec<ChatMessage> = case["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+                .collect();
+            let agp = case["add_generation_prompt"].as_bool().unwrap();
+            let rendered = tok.apply_chat_template(&messages, agp).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(rendered, case["rendered"].as_str().unwrap(), "{name}");
+            assert_eq!(tok.encode_chat(&messages, agp).unwrap(), ids_of(&case["ids"]), "{name}");
+        }
+        let err = tok.apply_chat_template(&msgs(&[("narrator", "x")]), false).unwrap_err();
+        let want = chat["bad_role_raises"].as_str().unwrap();
+        assert!(matches!(&err, Error::Template(m) if m.contains(want)), "{name}: {err}");
     }
 }

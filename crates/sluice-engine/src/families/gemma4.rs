@@ -18,7 +18,7 @@ use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
 use super::Network;
 use crate::backend::Backend;
-use crate::blocks::{check_tokens, experts, load_mat, load_vector, route, Attention, Mlp, Step};
+use crate::blocks::{Attention, Mlp, Step, check_tokens, experts, load_mat, load_vector, route};
 
 struct Moe<B: Backend> {
     router: B::Mat,
@@ -162,9 +162,7 @@ impl<B: Backend> Network<B> for Gemma4<B> {
         if let Some(p) = &self.spec.ple {
             check_tokens(tokens, p.vocab_size)?;
         }
-        let mut x = step
-            .timers
-            .time(|t| &mut t.embed, || be.embed(&self.embed, tokens, self.spec.embed_scale));
+        let mut x = step.timers.time(|t| &mut t.embed, || be.embed(&self.embed, tokens, self.spec.embed_scale));
         let ple_inputs = match &self.ple {
             Some(p) => Some(self.per_layer_inputs(step, p, tokens, &x)),
             None => None,

@@ -9,7 +9,7 @@ use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
 use super::Network;
 use crate::backend::Backend;
-use crate::blocks::{experts, load_mat, load_vector, route, Attention, Mlp, Step};
+use crate::blocks::{Attention, Mlp, Step, experts, load_mat, load_vector, route};
 
 enum Ffn<B: Backend> {
     Dense(Mlp<B>),
@@ -80,9 +80,7 @@ impl<B: Backend> Network<B> for Llama<B> {
         let be = step.be;
         let h = self.spec.hidden_size;
         let act = self.spec.activation;
-        let mut x = step
-            .timers
-            .time(|t| &mut t.embed, || be.embed(&self.embed, tokens, self.spec.embed_scale));
+        let mut x = step.timers.time(|t| &mut t.embed, || be.embed(&self.embed, tokens, self.spec.embed_scale));
         for (i, l) in self.layers.iter().enumerate() {
             let mut a = be.copy(&x);
             step.norm(&mut a, &l.attn_norm, h);
@@ -93,12 +91,7 @@ impl<B: Backend> Network<B> for Llama<B> {
             step.norm(&mut f, &l.ffn_norm, h);
             let f = match &l.ffn {
                 Ffn::Dense(mlp) => mlp.forward(step, &f, act),
-                Ffn::Sparse {
-                    router,
-                    n_experts,
-                    top_k,
-                    renormalize,
-                } => {
+                Ffn::Sparse { router, n_experts, top_k, renormalize } => {
                     let routing = step.timers.time(
                         |t| &mut t.router,
                         || route(&be.to_host(&be.matmul(&f, router)), *n_experts, *top_k, *renormalize, None),

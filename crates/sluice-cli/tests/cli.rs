@@ -1,0 +1,288 @@
+//! The `sluice` binary end to end: the command-line contract on the tiny fixtures,
+//! and every kind of bad input ending in one clear error line and a non-zero exit.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny").join(name)
+}
+
+fn sluice(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().expect("sluice runs")
+}
+
+/// A scratch copy of a fixture that a test may damage.
+fn scratch(name: &str, tag: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-{tag}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    dir
+}
+
+/// Asserts a failed run that printed exactly one line, an error naming `needle`.
+fn assert_one_error(out: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
+    assert!(!err.contains("panicked"), "panicked: {err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "expected one error line, got: {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    assert!(lines[0].contains(needle), "error should name '{needle}': {err}");
+}
+
+fn reference(name: &str) -> (Vec<u32>, Vec<f32>, serde_json::Value) {
+    let dir = fixture(name);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let tokens = meta["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let bytes = std::fs::read(dir.join("reference_logits.f32")).unwrap();
+    let logits = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    (tokens, logits, meta)
+}
+
+fn read_f32(p: &Path) -> Vec<f32> {
+    std::fs::read(p).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+#[test]
+fn logits_both_modes_match_reference() {
+    for name in ["gemma4-moe", "qwen3-moe"] {
+        let (tokens, want, _) = reference(name);
+        let ids: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
+        let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let mut outs = Vec::new();
+        for mode in ["prefill", "decode"] {
+            let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{mode}.f32"));
+            let o = sluice(&[
+                "logits",
+                "--model",
+                fixture(name).to_str().unwrap(),
+                "--tokens",
+                &ids.join(","),
+                "--out",
+                out.to_str().unwrap(),
+                "--mode",
+                mode,
+            ]);
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let got = read_f32(&out);
+            assert_eq!(got.len(), want.len(), "{name} {mode}: [n_tokens, vocab]");
+            let diff = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(diff <= 1e-3 * max_ref, "{name} {mode}: {diff} > 1e-3 x {max_ref}");
+            outs.push(got);
+        }
+        let agree = outs[0].iter().zip(&outs[1]).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(agree <= 1e-4 * max_ref, "{name}: prefill and decode differ by {agree}");
+    }
+}
+
+#[test]
+fn tokenize_matches_hugging_face() {
+    for name in ["gemma4-moe", "gemma4-dense", "qwen3", "llama"] {
+        let (_, _, meta) = reference(name);
+        let o =
+            sluice(&["tokenize", "--model", fixture(name).to_str().unwrap(), "--text", meta["text"].as_str().unwrap()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let got: Vec<u64> = serde_json::from_slice(&o.stdout).unwrap();
+        let want: Vec<u64> = meta["text_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        assert_eq!(got, want, "{name}");
+    }
+}
+
+#[test]
+fn run_chat_end_to_end() {
+    for name in ["gemma4-moe", "gemma4-dense", "qwen3-moe", "llama"] {
+        let o = sluice(&[
+            "run",
+            "--model",
+            fixture(name).to_str().unwrap(),
+            "--chat",
+            "--prompt",
+            "What is the capital of France?",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "12",
+            "--stats",
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{name}: {err}");
+        // --stats: one JSON object on stderr with the counters.
+        let stats: serde_json::Value =
+            serde_json::from_str(err.trim()).unwrap_or_else(|e| panic!("{name}: {e}: {err}"));
+        assert!(stats["prompt_tokens"].as_u64().unwrap() > 5);
+        assert!(stats["generated_tokens"].as_u64().unwrap() >= 1);
+        assert!(stats["decode_tok_s"].as_f64().is_some());
+        // Greedy decoding is deterministic.
+        let again = sluice(&[
+            "run",
+            "--model",
+            fixture(name).to_str().unwrap(),
+            "--chat",
+            "--prompt",
+            "What is the capital of France?",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "12",
+        ]);
+        assert_eq!(o.stdout, again.stdout, "{name}");
+    }
+    // Sampling with a seed is repeatable; interactive chat reads turns from stdin.
+    let m = fixture("qwen3");
+    let args = ["run", "--model", m.to_str().unwrap(), "--prompt", "The fox", "--seed", "9", "--max-tokens", "8"];
+    assert_eq!(sluice(&args).stdout, sluice(&args).stdout);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["run", "--model", m.to_str().unwrap(), "--chat", "--temperature", "0", "--max-tokens", "4"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(b"Hello\nAnd again\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 2, "one reply line per turn");
+}
+
+#[test]
+fn inspect_describes_the_model() {
+    let o = sluice(&["inspect", "--model", fixture("gemma4-moe").to_str().unwrap(), "--tensors"]);
+    assert!(o.status.success());
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert!(s.contains("experts    6 of 6 layers: 8 experts, top-2"), "{s}");
+    assert!(s.contains("k=v") && s.contains("sliding (window 4)"), "{s}");
+    assert!(s.contains("model.language_model.layers.0.experts.gate_up_proj"), "{s}");
+}
+
+// ---- bad input ----
+
+fn rewrite_safetensors(path: &Path, edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>)) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut v: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> =
+        st.tensors().into_iter().map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec())).collect();
+    edit(&mut v);
+    let views: Vec<(String, safetensors::tensor::TensorView)> = v
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+fn logits_of(dir: &Path, tokens: &str) -> Output {
+    let out = dir.join("out.f32");
+    sluice(&["logits", "--model", dir.to_str().unwrap(), "--tokens", tokens, "--out", out.to_str().unwrap()])
+}
+
+#[test]
+fn missing_tensor() {
+    let d = scratch("qwen3", "missing");
+    rewrite_safetensors(&d.join("model.safetensors"), |v| {
+        v.retain(|t| t.0 != "model.layers.1.self_attn.k_proj.weight")
+    });
+    assert_one_error(&logits_of(&d, "1,2"), "model.layers.1.self_attn.k_proj.weight");
+}
+
+#[test]
+fn misshapen_tensor() {
+    let d = scratch("qwen3", "shape");
+    rewrite_safetensors(&d.join("model.safetensors"), |v| {
+        let t = v.iter_mut().find(|t| t.0 == "model.layers.0.self_attn.k_proj.weight").unwrap();
+        t.2 = vec![t.2[1], t.2[0]];
+    });
+    assert_one_error(&logits_of(&d, "1,2"), "model.layers.0.self_attn.k_proj.weight");
+}
+
+#[test]
+fn missing_expert_tensor() {
+    let d = scratch("qwen3-moe", "expert");
+    rewrite_safetensors(&d.join("model.safetensors"), |v| {
+        v.retain(|t| t.0 != "model.layers.2.mlp.experts.5.up_proj.weight")
+    });
+    assert_one_error(&logits_of(&d, "1,2"), "model.layers.2.mlp.experts.5.up_proj.weight");
+}
+
+#[test]
+fn truncated_safetensors() {
+    let d = scratch("qwen3", "truncated");
+    let f = d.join("model.safetensors");
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 1000).unwrap();
+    assert_one_error(&logits_of(&d, "1,2"), "model.safetensors");
+}
+
+#[test]
+fn corrupt_safetensors_header() {
+    let d = scratch("qwen3", "corrupt");
+    let f = d.join("model.safetensors");
+    let mut b = std::fs::read(&f).unwrap();
+    b[8..40].copy_from_slice(&[b'#'; 32]);
+    std::fs::write(&f, b).unwrap();
+    assert_one_error(&logits_of(&d, "1,2"), "model.safetensors");
+    // A file too short to hold a header at all.
+    std::fs::write(&f, b"abc").unwrap();
+    assert_one_error(&logits_of(&d, "1,2"), "model.safetensors");
+}
+
+#[test]
+fn missing_shard() {
+    let d = scratch("gemma4-dense", "shard");
+    std::fs::remove_file(d.join("model-00002-of-00004.safetensors")).unwrap();
+    assert_one_error(&logits_of(&d, "1,2"), "model-00002-of-00004.safetensors");
+}
+
+#[test]
+fn unknown_model_type() {
+    let d = scratch("qwen3", "arch");
+    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap().replace("\"qwen3\"", "\"mamba9\"");
+    std::fs::write(d.join("config.json"), cfg).unwrap();
+    assert_one_error(&logits_of(&d, "1,2"), "mamba9");
+}
+
+#[test]
+fn unreadable_config() {
+    let d = scratch("qwen3", "config");
+    std::fs::write(d.join("config.json"), "{ \"model_type\": \"qwen3\", ").unwrap();
+    assert_one_error(&logits_of(&d, "1,2"), "config.json");
+    std::fs::write(d.join("config.json"), "{ \"model_type\": \"qwen3\", \"hidden_size\": \"big\" }").unwrap();
+    assert_one_error(&logits_of(&d, "1,2"), "hidden_size");
+    std::fs::remove_file(d.join("config.json")).unwrap();
+    assert_one_error(&logits_of(&d, "1,2"), "config.json");
+}
+
+#[test]
+fn token_outside_vocabulary() {
+    assert_one_error(&logits_of(&fixture("llama"), "1,512"), "512");
+}
+
+#[test]
+fn sequence_longer_than_context() {
+    let d = scratch("llama", "context");
+    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
+    let mut j: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    j["max_position_embeddings"] = 8.into();
+    std::fs::write(d.join("config.json"), j.to_string()).unwrap();
+    assert_one_error(&logits_of(&d, "1,2,3,4,5,6,7,8,9"), "context holds 8");
+    let o = sluice(&["run", "--model", d.to_str().unwrap(), "--prompt", "The quick brown fox jumps over the lazy dog"]);
+    assert_one_error(&o, "context holds 8");
+}
+
+#[test]
+fn bad_flags() {
+    let m = fixture("qwen3");
+    let m = m.to_str().unwrap();
+    assert_one_error(&sluice(&["logits", "--model", m, "--tokens", "1,x", "--out", "/tmp/never"]), "'x'");
+    assert_one_error(&sluice(&["run", "--model", m, "--prompt", "hi", "--threads", "0"]), "--threads");
+    assert_one_error(&sluice(&["run", "--model", m]), "--prompt");
+    assert_one_error(&sluice(&["run", "--model", "/nonexistent/model", "--prompt", "hi"]), "/nonexistent/model");
+    // Clap's own usage errors also fail without a panic.
+    let o = sluice(&["run", "--model", m, "--max-tokens", "many"]);
+    assert!(!o.status.success() && !String::from_utf8_lossy(&o.stderr).contains("panicked"));
+}
