@@ -10,8 +10,8 @@ use crate::DType;
 /// Which family file runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
-    /// Gemma 4 (MoE 26B-A4B and the dense E2B/E4B with per-layer embeddings).
-    Gemma4,
+    /// Gemma 3 and Gemma 4 (the 26B-A4B MoE, the dense E2B/E4B with per-layer embeddings).
+    Gemma,
     /// Llama-shaped decoders: Llama, Qwen2, Qwen3, Qwen3-MoE.
     Llama,
 }

@@ -8,7 +8,7 @@ use sluice_formats::Checkpoint;
 
 use crate::backend::{Backend, Cpu};
 use crate::blocks::{Step, check_tokens};
-use crate::families::{Network, gemma4::Gemma4, llama::Llama};
+use crate::families::{Network, gemma::Gemma, llama::Llama};
 use crate::stats::Timers;
 
 /// Longest run of tokens pushed through the layers at once; longer prompts are
@@ -35,7 +35,7 @@ impl Model<Cpu> {
 impl<B: Backend + 'static> Model<B> {
     pub fn load(be: B, ckpt: &Checkpoint) -> Result<Model<B>> {
         let net: Box<dyn Network<B>> = match ckpt.family() {
-            Family::Gemma4 => Box::new(Gemma4::load(&be, ckpt)?),
+            Family::Gemma => Box::new(Gemma::load(&be, ckpt)?),
             Family::Llama => Box::new(Llama::load(&be, ckpt)?),
         };
         Ok(Model {

@@ -428,7 +428,7 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
     };
 
     Ok(ModelSpec {
-        family: Family::Gemma4,
+        family: Family::Gemma,
         arch: "gemma4".into(),
         vocab_size: vocab,
         hidden_size: hidden,

@@ -77,7 +77,7 @@ impl TensorId {
 /// (`model.` or `model.language_model.` for multimodal wrappers).
 pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
     use TensorKind::*;
-    let gemma = family == Family::Gemma4;
+    let gemma = family == Family::Gemma;
     let global = |s: &str| format!("{prefix}{s}");
     let Some(l) = id.layer else {
         return match id.kind {

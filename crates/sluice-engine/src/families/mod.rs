@@ -1,7 +1,7 @@
 //! One file per family. Each says what its layers compute in terms of the shared
 //! blocks and backend operations, and nothing about how they run.
 
-pub mod gemma4;
+pub mod gemma;
 pub mod llama;
 
 use sluice_core::Result;

@@ -1,4 +1,5 @@
-//! Gemma 4 text: the 26B-A4B MoE and the dense E2B/E4B.
+//! Gemma 3 and Gemma 4 text: the Gemma 4 26B-A4B MoE, the dense E2B/E4B, and Gemma 3,
+//! which is the same layer without experts, per-layer embeddings or v norm.
 //!
 //! Per layer:
 //!   x += post_attn_norm(attention(attn_norm(x)))
@@ -8,10 +9,12 @@
 //!   x += post_ffn_norm(f)
 //!   PLE:        x += ple_post_norm(ple_proj(act(ple_gate(x)) * per_layer_input[layer]))
 //!   x *= layer_scalar
-//! Attention: q/k norms with weights, a weightless v norm, scale 1, sliding layers
+//! Gemma 4 attention: q/k norms with weights, a weightless v norm, scale 1, sliding layers
 //! on a window with default RoPE, full layers with proportional RoPE and their own
 //! head dim and KV heads; k_eq_v full layers take V from the k projection; the last
 //! layers may read an earlier layer's cache (KV sharing). Logits are soft-capped.
+//! Gemma 3 norms multiply by 1 + w (`norm_weight_offset`) and attention scales by
+//! query_pre_attn_scalar^-0.5; both come from the spec.
 
 use sluice_core::{ModelSpec, Result};
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
@@ -58,7 +61,7 @@ struct Ple<B: Backend> {
     dim: usize,
 }
 
-pub struct Gemma4<B: Backend> {
+pub struct Gemma<B: Backend> {
     spec: ModelSpec,
     embed: B::Mat,
     output: B::Mat,
@@ -67,7 +70,7 @@ pub struct Gemma4<B: Backend> {
     layers: Vec<Layer<B>>,
 }
 
-impl<B: Backend> Gemma4<B> {
+impl<B: Backend> Gemma<B> {
     pub fn load(be: &B, ckpt: &Checkpoint) -> Result<Self> {
         let spec = ckpt.spec.clone();
         let h = spec.hidden_size;
@@ -130,7 +133,7 @@ impl<B: Backend> Gemma4<B> {
                 layer_scalar,
             });
         }
-        Ok(Gemma4 {
+        Ok(Gemma {
             final_norm: load_vector(be, ckpt, model(TensorKind::OutputNorm), h)?,
             spec,
             embed,
@@ -154,7 +157,7 @@ impl<B: Backend> Gemma4<B> {
     }
 }
 
-impl<B: Backend> Network<B> for Gemma4<B> {
+impl<B: Backend> Network<B> for Gemma<B> {
     fn forward(&self, step: &mut Step<'_, B>, tokens: &[u32]) -> Result<B::Act> {
         let be = step.be;
         let h = self.spec.hidden_size;
