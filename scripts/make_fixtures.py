@@ -617,6 +617,38 @@ def build_gemma4_dense():
     return Gemma4ForCausalLM, cfg
 
 
+def build_gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    ids = token_ids("gemma")
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=4,
+        # Not equal to head_dim, so the attention scale is really read from here.
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        pad_token_id=ids["pad"],
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+    )
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    return Gemma3ForCausalLM, cfg
+
+
 def qwen_common(num_layers: int) -> dict:
     ids = token_ids("qwen")
     return dict(
@@ -791,6 +823,7 @@ FIXTURES = {
     # shard: max_shard_size; template_file: chat template in chat_template.jinja; fused: fuse experts.
     "gemma4-moe": dict(build=build_gemma4_moe, family="gemma", seed=4001, dtype=torch.float32, router_std=1.0, top_k=2),
     "gemma4-dense": dict(build=build_gemma4_dense, family="gemma", seed=4002, dtype=torch.bfloat16, router_std=0.0, top_k=None, shard="200KB", template_file=True),
+    "gemma3": dict(build=build_gemma3, family="gemma", seed=6001, dtype=torch.float32, router_std=0.0, top_k=None),
     "qwen3-moe": dict(build=build_qwen3_moe, family="qwen", seed=3001, dtype=torch.float32, router_std=0.15, top_k=2),
     "qwen3-moe-fused": dict(build=build_qwen3_moe_fused, family="qwen", seed=3002, dtype=torch.float16, router_std=0.15, top_k=2, fused=True),
     "qwen3": dict(build=build_qwen3, family="qwen", seed=3003, dtype=torch.float32, router_std=0.0, top_k=None),

@@ -88,3 +88,8 @@ fn qwen3() {
 fn llama() {
     check("llama");
 }
+
+#[test]
+fn gemma3() {
+    check("gemma3");
+}

@@ -12,7 +12,7 @@ use sluice_core::{
     RopeStyle, RouterKind,
 };
 
-pub const SUPPORTED: &str = "gemma4, gemma4_text, llama, qwen2, qwen3, qwen3_moe";
+pub const SUPPORTED: &str = "gemma3, gemma3_text, gemma4, gemma4_text, llama, qwen2, qwen3, qwen3_moe";
 
 /// A JSON object with the file it came from, for errors that name both.
 #[derive(Clone, Copy)]
@@ -109,6 +109,7 @@ pub fn read(dir: &Path) -> Result<HfConfig> {
     let model_type = cfg.str_opt("model_type")?.map(str::to_string).unwrap_or(outer_type.clone());
     let spec = match model_type.as_str() {
         "gemma4" | "gemma4_text" => gemma4(&cfg, &top)?,
+        "gemma3" | "gemma3_text" => gemma3(&cfg, &top)?,
         "llama" | "qwen2" | "qwen3" | "qwen3_moe" => llama_like(&cfg, &model_type)?,
         _ => {
             return Err(Error::UnknownArchitecture {
@@ -442,6 +443,94 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
         layers,
         ple,
         bos_token_id: bos.or(Some(2)),
+        eos_token_ids: if eos.is_empty() { vec![1] } else { eos },
+        weight_dtype: None,
+    })
+}
+
+fn gemma3(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
+    let hidden = cfg.usize_opt("hidden_size")?.unwrap_or(2304);
+    let n_layers = cfg.usize_opt("num_hidden_layers")?.unwrap_or(26);
+    let n_heads = cfg.usize_opt("num_attention_heads")?.unwrap_or(8);
+    let n_kv = cfg.usize_opt("num_key_value_heads")?.unwrap_or(4);
+    let head_dim = cfg.usize_opt("head_dim")?.unwrap_or(256);
+    let window = cfg.usize_opt("sliding_window")?.unwrap_or(4096);
+    if n_kv == 0 || n_heads % n_kv != 0 {
+        return Err(cfg.err(format!("num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv})")));
+    }
+    let sliding: Vec<bool> = match cfg.get("layer_types") {
+        Some(Value::Array(a)) if a.len() == n_layers => a
+            .iter()
+            .map(|v| match v.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(cfg.err(format!("unknown layer type {v} in 'layer_types'"))),
+            })
+            .collect::<Result<_>>()?,
+        Some(v) => return Err(cfg.err(format!("'layer_types' must list {n_layers} layer types, found {v}"))),
+        None => {
+            let pattern = cfg.usize_opt("sliding_window_pattern")?.unwrap_or(6).max(1);
+            (0..n_layers).map(|i| (i + 1) % pattern != 0).collect()
+        }
+    };
+    // RoPE: per layer type in `rope_parameters`, or the older rope_theta (full
+    // layers, with rope_scaling) and rope_local_base_freq (sliding layers).
+    let rope_root = cfg.sub("rope_parameters")?;
+    let rope_for = |is_sliding: bool| -> Result<RopeSpec> {
+        let key = if is_sliding { "sliding_attention" } else { "full_attention" };
+        let (theta, scaling) = match rope_root.as_ref().map(|r| r.sub(key)).transpose()?.flatten() {
+            Some(p) => rope_params(&p, Some(&p), if is_sliding { 10_000.0 } else { 1_000_000.0 })?,
+            None if is_sliding => (cfg.f32_opt("rope_local_base_freq")?.unwrap_or(10_000.0), RopeScaling::None),
+            None => rope_params(cfg, None, 1_000_000.0)?,
+        };
+        Ok(RopeSpec::new(RopeStyle::Half, theta, head_dim, head_dim, &scaling))
+    };
+    let scale = (cfg.f32_opt("query_pre_attn_scalar")?.unwrap_or(256.0)).powf(-0.5);
+    if cfg.f32_opt("attn_logit_softcapping")?.is_some() {
+        return Err(cfg.err("attn_logit_softcapping is not supported yet".into()));
+    }
+    let intermediate = cfg.usize_opt("intermediate_size")?.unwrap_or(9216);
+    let layers = (0..n_layers)
+        .map(|i| {
+            Ok(LayerSpec {
+                attention: AttentionSpec {
+                    n_heads,
+                    n_kv_heads: n_kv,
+                    head_dim,
+                    window: sliding[i].then_some(window),
+                    rope: rope_for(sliding[i])?,
+                    scale,
+                    qk_norm: true,
+                    v_norm: false,
+                    k_eq_v: false,
+                    qkv_bias: cfg.bool_opt("attention_bias")?.unwrap_or(false),
+                    kv_source: None,
+                },
+                mlp: Some(intermediate),
+                moe: None,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let eos = {
+        let e = cfg.ids("eos_token_id")?;
+        if e.is_empty() { top.ids("eos_token_id")? } else { e }
+    };
+    Ok(ModelSpec {
+        family: Family::Gemma,
+        arch: "gemma3".into(),
+        vocab_size: cfg.usize_opt("vocab_size")?.unwrap_or(262_208),
+        hidden_size: hidden,
+        rms_norm_eps: cfg.f32_opt("rms_norm_eps")?.unwrap_or(1e-6),
+        activation: activation(cfg, "hidden_activation", Activation::GeluTanh)?,
+        embed_scale: (hidden as f64).sqrt() as f32,
+        // Gemma 3's RMSNorm multiplies by 1 + weight.
+        norm_weight_offset: 1.0,
+        final_logit_softcap: cfg.f32_opt("final_logit_softcapping")?,
+        tie_word_embeddings: cfg.bool_opt("tie_word_embeddings")?.or(top.bool_opt("tie_word_embeddings")?).unwrap_or(true),
+        max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(131_072),
+        layers,
+        ple: None,
+        bos_token_id: cfg.ids("bos_token_id")?.first().copied().or(Some(2)),
         eos_token_ids: if eos.is_empty() { vec![1] } else { eos },
         weight_dtype: None,
     })
