@@ -2,18 +2,20 @@
 //! that names the file, tensor or value at fault.
 
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
 use serde_json::json;
 use sluice_core::{Error, Result};
 use sluice_engine::stats::{PhaseMs, peak_rss_bytes};
-use sluice_engine::{Logits, Model, Sampler, SamplerConfig};
+use sluice_engine::{Cpu, LoadOptions, Logits, Model, Prefetch, Sampler, SamplerConfig};
+use sluice_experts::{CacheBudget, ExpertLayout, Policy, Residency, RoutingHistogram, StoreConfig, human_bytes};
 use sluice_formats::Checkpoint;
+use sluice_formats::gguf::GgufFile;
 use sluice_tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
-use crate::{EngineArgs, LogitsMode};
+use crate::{EngineArgs, LogitsMode, PolicyArg, PrefetchArg, ResidencyArg};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -28,6 +30,9 @@ pub struct RunArgs {
     /// System message for --chat
     #[arg(long)]
     system: Option<String>,
+    /// Jinja chat template file to use instead of the model's own
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
     /// Most tokens to generate
     #[arg(long, short = 'n', default_value_t = 256)]
     max_tokens: usize,
@@ -65,7 +70,7 @@ pub struct LogitsArgs {
 
 #[derive(Args)]
 pub struct TokenizeArgs {
-    /// Model folder (only its tokenizer is read)
+    /// Model: a .gguf file or a Hugging Face folder (only its tokenizer is read)
     #[arg(long, short = 'm', value_name = "PATH")]
     model: PathBuf,
     #[arg(long)]
@@ -88,11 +93,14 @@ pub struct BenchArgs {
     /// Print one JSON object instead of text
     #[arg(long)]
     json: bool,
+    /// Skip measuring memory bandwidth (the resident-decode roofline)
+    #[arg(long)]
+    no_roofline: bool,
 }
 
 #[derive(Args)]
 pub struct InspectArgs {
-    /// Model folder
+    /// Model: a .gguf file or a Hugging Face folder
     #[arg(long, short = 'm', value_name = "PATH")]
     model: PathBuf,
     /// List every tensor
@@ -113,8 +121,187 @@ fn init_threads(n: Option<usize>) -> Result<usize> {
 
 fn load_model(e: &EngineArgs) -> Result<(Model, f64)> {
     let t = Instant::now();
-    let model = Model::open(&e.model)?;
+    let ckpt = Checkpoint::open(&e.model)?;
+    let opts = load_options(e, &ckpt)?;
+    let total = ckpt.tensors().iter().map(|t| t.len_bytes() as u64).sum::<u64>();
+    let bar = (opts.store.residency == Residency::Resident && std::io::stderr().is_terminal()).then(|| {
+        let b = indicatif::ProgressBar::new(total);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "loading experts {bar:40} {binary_bytes}/{binary_total_bytes} {eta}",
+            )
+            .expect("a valid template"),
+        );
+        b
+    });
+    let mut progress = |done: u64, all: u64| {
+        if let Some(b) = &bar {
+            b.set_length(all);
+            b.set_position(done);
+        }
+    };
+    let model = Model::load_with(Cpu, &ckpt, &opts, Some(&mut progress))?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
     Ok((model, t.elapsed().as_secs_f64()))
+}
+
+/// Bytes the kernel says can be allocated without swapping (`MemAvailable`).
+fn memory_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+/// `4GiB`, `512MiB`, `1.5G`, `2GB` as bytes; a bare number as slots per layer.
+fn parse_cache(s: &str) -> Result<CacheBudget> {
+    let t = s.trim();
+    if let Ok(n) = t.parse::<usize>() {
+        return Ok(CacheBudget::SlotsPerLayer(n));
+    }
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| Error::Usage(format!("--expert-cache: '{s}' is neither a size (4GiB) nor a slot count (16)")))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "kb" => 1e3,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "mb" => 1e6,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "gb" => 1e9,
+        "t" | "tib" => 1024f64.powi(4),
+        "tb" => 1e12,
+        other => return Err(Error::Usage(format!("--expert-cache: unknown unit '{other}' (use KiB, MiB, GiB)"))),
+    };
+    if value <= 0.0 || !value.is_finite() {
+        return Err(Error::Usage(format!("--expert-cache: '{s}' must be positive")));
+    }
+    Ok(CacheBudget::Bytes((value * mult) as u64))
+}
+
+/// Turns the residency flags into a store configuration, deciding `auto` from the
+/// model's size, the memory available and `--expert-cache`.
+fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<LoadOptions> {
+    let layout = ExpertLayout::from_checkpoint(ckpt)?;
+    let experts = layout.expert_bytes_total();
+    let total: u64 = ckpt.tensors().iter().map(|t| t.len_bytes() as u64).sum();
+    let resident = total - experts;
+    let budget = e.expert_cache.as_deref().map(parse_cache).transpose()?;
+    let avail = memory_available();
+    // Leave room for the resident weights, the KV cache and the OS.
+    let default_budget = || {
+        let room = avail.map_or(0, |a| (a as f64 * 0.8) as u64).saturating_sub(resident + (1 << 30));
+        CacheBudget::Bytes(room.max(layout.min_budget_bytes()))
+    };
+    let residency = match e.residency {
+        _ if experts == 0 => {
+            if budget.is_some() {
+                return Err(Error::Usage("--expert-cache: this model has no routed experts".into()));
+            }
+            Residency::Mapped
+        }
+        ResidencyArg::Resident | ResidencyArg::Mapped if budget.is_some() => {
+            return Err(Error::Usage("--expert-cache goes with --residency streamed or auto".into()));
+        }
+        ResidencyArg::Resident => Residency::Resident,
+        ResidencyArg::Mapped => Residency::Mapped,
+        ResidencyArg::Streamed => Residency::Streamed,
+        ResidencyArg::Auto => {
+            let fits = avail.is_some_and(|a| (total as f64) < a as f64 * 0.8);
+            let r = if budget.is_none() && fits { Residency::Mapped } else { Residency::Streamed };
+            let cache = match (r, budget.unwrap_or_else(default_budget)) {
+                (Residency::Streamed, b) => format!(", expert cache {}", human_bytes(layout.cache_bytes(b)?)),
+                _ => String::new(),
+            };
+            // Only worth a line when the model does not simply sit in the page cache.
+            if r == Residency::Streamed {
+                eprintln!(
+                    "residency auto: {}{cache} (model {}, experts {}, memory available {})",
+                    r.name(),
+                    human_bytes(total),
+                    human_bytes(experts),
+                    avail.map_or("unknown".into(), human_bytes)
+                );
+            }
+            r
+        }
+    };
+    let pin = e.pin_hot.as_deref().map(RoutingHistogram::load).transpose()?;
+    if pin.is_some() && residency != Residency::Streamed {
+        return Err(Error::Usage("--pin-hot goes with streamed residency".into()));
+    }
+    if e.read_threads == 0 {
+        return Err(Error::Usage("--read-threads must be at least 1".into()));
+    }
+    let store = StoreConfig {
+        residency,
+        budget: (residency == Residency::Streamed).then(|| budget.unwrap_or_else(default_budget)),
+        policy: match e.cache_policy {
+            PolicyArg::Lru => Policy::Lru,
+            PolicyArg::Lfu => Policy::Lfu,
+        },
+        pin,
+        read_threads: e.read_threads,
+        direct_io: !e.no_direct_io,
+        ..Default::default()
+    };
+    let prefetch = match e.prefetch {
+        PrefetchArg::Off => Prefetch::Off,
+        PrefetchArg::Pilot => Prefetch::Pilot,
+    };
+    Ok(LoadOptions { store, prefetch })
+}
+
+/// Saves the routing histogram if `--record-routing` asked for it.
+fn record_routing(e: &EngineArgs, model: &Model) -> Result<()> {
+    match &e.record_routing {
+        Some(path) => model.store.histogram().save(path),
+        None => Ok(()),
+    }
+}
+
+/// The tokenizer of a model: from a GGUF file's metadata, or a Hugging Face folder's
+/// tokenizer.json.
+fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
+    if path.is_file() { Tokenizer::from_gguf(&GgufFile::open(path)?) } else { Tokenizer::from_hf_dir(path) }
+}
+
+/// Chat formats for models that ship no template (base models): the family's own turn
+/// markers where the vocabulary has them, ChatML otherwise.
+const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}\
+{% if m.role == 'system' %}{% set ns.sys = m.content ~ '\\n\\n' %}{% else %}\
+<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}{{ '\\n' }}{{ ns.sys }}{{ m.content | trim }}\
+<end_of_turn>{{ '\\n' }}{% set ns.sys = '' %}{% endif %}{% endfor %}\
+{% if add_generation_prompt %}<start_of_turn>model{{ '\\n' }}{% endif %}";
+const CHATML_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}{{ '\\n' }}{{ m.content }}<|im_end|>\
+{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}";
+
+fn ensure_chat_template(tok: &mut Tokenizer, file: Option<&Path>) -> Result<()> {
+    if let Some(f) = file {
+        let text = std::fs::read_to_string(f).map_err(|e| Error::io(f, e))?;
+        tok.set_chat_template(&f.display().to_string(), text);
+        return Ok(());
+    }
+    if tok.has_chat_template() {
+        return Ok(());
+    }
+    let (name, text) = if tok.token_to_id("<start_of_turn>").is_some() {
+        ("built-in Gemma template", GEMMA_TEMPLATE)
+    } else if tok.token_to_id("<|im_start|>").is_some() {
+        ("built-in ChatML template", CHATML_TEMPLATE)
+    } else {
+        return Err(Error::Template(
+            "the model has no chat template and no known turn markers; give one with --chat-template FILE".into(),
+        ));
+    };
+    eprintln!("note: the model has no chat template; using the {name} (--chat-template FILE to choose)");
+    tok.set_chat_template(name, text.to_string());
+    Ok(())
 }
 
 fn stop_ids(model: &Model, tok: &Tokenizer) -> Vec<u32> {
@@ -136,7 +323,10 @@ pub fn run(a: RunArgs) -> Result<()> {
         return Err(Error::Usage("--temperature must be >= 0 and --top-p in [0, 1]".into()));
     }
     let threads = init_threads(a.engine.threads)?;
-    let tok = Tokenizer::from_hf_dir(&a.engine.model)?;
+    let mut tok = load_tokenizer(&a.engine.model)?;
+    if a.chat {
+        ensure_chat_template(&mut tok, a.chat_template.as_deref())?;
+    }
     let (model, load_s) = load_model(&a.engine)?;
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
@@ -174,12 +364,6 @@ pub fn run(a: RunArgs) -> Result<()> {
         let (_, st) = generate_into(&mut session, &prompt, &mut out)?;
         totals.push(st);
     } else {
-        if !tok.has_chat_template() {
-            return Err(Error::Template(format!(
-                "{} has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja)",
-                a.engine.model.display()
-            )));
-        }
         let mut messages = Vec::new();
         if let Some(s) = &a.system {
             messages.push(ChatMessage::new("system", s.clone()));
@@ -249,21 +433,21 @@ pub fn run(a: RunArgs) -> Result<()> {
             "kv_cache_bytes": session.kv_bytes(),
             "peak_rss_bytes": peak_rss_bytes(),
             "phases": PhaseMs::from(&session.timers),
-            "experts": expert_counters(&model),
+            "experts": expert_stats(&model, &session.pilot.stats),
         });
         eprintln!("{stats}");
     }
+    record_routing(&a.engine, &model)?;
     Ok(())
 }
 
-fn expert_counters(model: &Model) -> serde_json::Value {
-    use std::sync::atomic::Ordering::Relaxed;
-    let c = &model.store.counters;
+/// The expert store's counters and the pilot's recall, for --stats and bench --json.
+fn expert_stats(model: &Model, pilot: &sluice_engine::blocks::PilotStats) -> serde_json::Value {
     json!({
-        "total_bytes": model.store.total_bytes(),
-        "fetches": c.fetches.load(Relaxed),
-        "experts_served": c.experts_served.load(Relaxed),
-        "bytes_served": c.bytes_served.load(Relaxed),
+        "store": model.store.stats(),
+        "prefetch": match model.prefetch { Prefetch::Off => "off", Prefetch::Pilot => "pilot" },
+        "pilot": pilot,
+        "pilot_recall": pilot.recall(),
     })
 }
 
@@ -295,6 +479,7 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
             all
         }
     };
+    record_routing(&a.engine, &model)?;
     let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
     // Write beside the target and rename, so a failure leaves no half-written file.
     let tmp = a.out.with_extension("partial");
@@ -304,7 +489,7 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
 }
 
 pub fn tokenize(a: TokenizeArgs) -> Result<()> {
-    let tok = Tokenizer::from_hf_dir(&a.model)?;
+    let tok = load_tokenizer(&a.model)?;
     let ids = tok.encode(&a.text, true)?;
     println!("{}", serde_json::to_string(&ids).expect("ids serialize"));
     Ok(())
@@ -348,12 +533,17 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let st = s.generate(&prompt, a.gen_tokens, &[], &mut sampler, |_| Ok(true))?;
         prefill.push(st.prefill_tok_s());
         decode.push(st.decode_tok_s());
-        last = Some((PhaseMs::from(&s.timers), s.kv_bytes()));
+        last = Some((PhaseMs::from(&s.timers), s.kv_bytes(), s.pilot.stats));
     }
-    let (phases, kv) = last.expect("at least one run");
+    record_routing(&a.engine, &model)?;
+    let (phases, kv, pilot) = last.expect("at least one run");
     let p = median(&mut prefill);
     let d = median(&mut decode);
     let rss = peak_rss_bytes();
+    // Resident decode reads every weight byte once per token: memory bandwidth over
+    // bytes per token bounds it.
+    let bw = (!a.no_roofline).then(|| sluice_engine::stats::memory_read_bandwidth(1 << 30, 5));
+    let roofline = bw.map(|bw| bw / model.bytes_per_token as f64);
     if a.json {
         let j = json!({
             "model": a.engine.model,
@@ -370,14 +560,27 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "decode_tok_s_runs": decode,
             "peak_rss_bytes": rss,
             "kv_cache_bytes": kv,
+            "weight_bytes_per_token": model.bytes_per_token,
+            "memory_read_bytes_per_s": bw,
+            "roofline_decode_tok_s": roofline,
+            "decode_fraction_of_roofline": roofline.map(|r| d / r),
             "phases_last_run": phases,
-            "experts": expert_counters(&model),
+            "experts": expert_stats(&model, &pilot),
         });
         println!("{j}");
     } else {
         println!("{}: {} threads ({:?})", a.engine.model.display(), threads, sluice_cpu::isa());
         println!("prompt  {:>6} tokens  {:>9.1} tok/s  (median of {})", a.prompt_tokens, p, a.repeat);
         println!("decode  {:>6} tokens  {:>9.1} tok/s", a.gen_tokens, d);
+        if let (Some(bw), Some(r)) = (bw, roofline) {
+            println!(
+                "roofline {:.1} tok/s = {:.2} GB/s read / {:.1} MB per token; decode is {:.0}% of it",
+                r,
+                bw / 1e9,
+                model.bytes_per_token as f64 / 1e6,
+                100.0 * d / r
+            );
+        }
         if let Some(r) = rss {
             println!("peak RSS {:.1} MiB", r as f64 / (1 << 20) as f64);
         }

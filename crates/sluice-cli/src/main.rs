@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
     version,
     about = "Run Mixture-of-Experts language models that do not fit in memory",
     long_about = "Run Mixture-of-Experts language models that do not fit in memory.\n\n\
-MODEL is a Hugging Face folder (config.json, safetensors, tokenizer.json).\n\
+MODEL is a GGUF file or a Hugging Face folder (config.json, safetensors, tokenizer.json).\n\
 Everything a token always touches stays resident; routed experts are served by the expert store."
 )]
 struct Cli {
@@ -37,12 +37,59 @@ enum Command {
 /// Flags shared by every command that runs a model.
 #[derive(Args, Clone, Debug)]
 pub struct EngineArgs {
-    /// Model: a Hugging Face folder
+    /// Model: a .gguf file or a Hugging Face folder
     #[arg(long, short = 'm', value_name = "PATH")]
     pub model: std::path::PathBuf,
     /// Worker threads for the kernels (default: all cores)
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
+    /// Where routed experts live: all in memory, mapped (the OS page cache decides),
+    /// streamed (sluice's own cache and reads), or auto (mapped if the model fits in
+    /// memory, streamed otherwise)
+    #[arg(long, value_enum, default_value_t = ResidencyArg::Auto)]
+    pub residency: ResidencyArg,
+    /// Expert cache for streamed residency: bytes with a unit (4GiB, 512MiB) or a number
+    /// of slots per MoE layer (16)
+    #[arg(long, value_name = "SIZE")]
+    pub expert_cache: Option<String>,
+    /// Read experts ahead: off, or pilot (probe the next layer's router)
+    #[arg(long, value_enum, default_value_t = PrefetchArg::Off)]
+    pub prefetch: PrefetchArg,
+    /// Which cached expert a miss evicts
+    #[arg(long, value_enum, default_value_t = PolicyArg::Lru)]
+    pub cache_policy: PolicyArg,
+    /// Pin each layer's most-used experts, from a histogram saved by --record-routing
+    #[arg(long, value_name = "FILE")]
+    pub pin_hot: Option<std::path::PathBuf>,
+    /// Save how often each expert was routed to, at the end
+    #[arg(long, value_name = "FILE")]
+    pub record_routing: Option<std::path::PathBuf>,
+    /// Threads reading experts from disk (streamed)
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub read_threads: usize,
+    /// Read through the page cache instead of O_DIRECT (streamed)
+    #[arg(long)]
+    pub no_direct_io: bool,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResidencyArg {
+    Resident,
+    Mapped,
+    Streamed,
+    Auto,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefetchArg {
+    Off,
+    Pilot,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PolicyArg {
+    Lru,
+    Lfu,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,6 +101,13 @@ pub enum LogitsMode {
 }
 
 fn main() -> ExitCode {
+    // Die quietly when the reader of our output goes away (`sluice inspect | head`), as
+    // Unix tools do, instead of panicking on a failed print.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => commands::run(a),

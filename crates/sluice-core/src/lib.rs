@@ -4,6 +4,7 @@
 pub mod dtype;
 pub mod error;
 pub mod mat;
+pub mod quant;
 pub mod spec;
 
 pub use dtype::DType;

@@ -1,87 +1,14 @@
-//! Row dot products: one stored weight row (any format) against an f32 vector.
-
-use std::sync::atomic::{AtomicU8, Ordering};
+//! Row dot products: one stored weight row (any format) against an f32 vector, and
+//! rows converted to f32.
+//!
+//! `dot_f32` and the plain-typed `dot_row` are the single-row kernels attention uses
+//! (four independent accumulators, short latency chains); matrix products go through
+//! [`crate::matmul`], whose summation order differs. A quantized `dot_row` runs the
+//! matmul kernels on one row, so it equals that row of `matmul` bit for bit.
 
 use sluice_core::DType;
 
-/// The instruction set the kernels use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Isa {
-    Scalar,
-    Avx2,
-    Avx512,
-    Neon,
-}
-
-static ISA: AtomicU8 = AtomicU8::new(0);
-
-fn detect() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") {
-            return Isa::Avx512;
-        }
-        if std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-        {
-            return Isa::Avx2;
-        }
-    }
-    #[cfg(target_arch = "aarch64")]
-    {
-        if std::arch::is_aarch64_feature_detected!("neon") {
-            return Isa::Neon;
-        }
-    }
-    Isa::Scalar
-}
-
-fn encode(i: Isa) -> u8 {
-    match i {
-        Isa::Scalar => 1,
-        Isa::Avx2 => 2,
-        Isa::Avx512 => 3,
-        Isa::Neon => 4,
-    }
-}
-
-/// The ISA in use: the best the CPU has, unless `SLUICE_ISA` (scalar, avx2, avx512,
-/// neon) or [`set_isa`] chose a lower one.
-pub fn isa() -> Isa {
-    match ISA.load(Ordering::Relaxed) {
-        1 => Isa::Scalar,
-        2 => Isa::Avx2,
-        3 => Isa::Avx512,
-        4 => Isa::Neon,
-        _ => {
-            let best = detect();
-            let chosen = match std::env::var("SLUICE_ISA").ok().as_deref() {
-                Some("scalar") => Isa::Scalar,
-                Some("avx2") if matches!(best, Isa::Avx2 | Isa::Avx512) => Isa::Avx2,
-                _ => best,
-            };
-            ISA.store(encode(chosen), Ordering::Relaxed);
-            chosen
-        }
-    }
-}
-
-/// Forces an ISA (for tests and comparisons). Returns false, changing nothing, if
-/// this CPU lacks it.
-pub fn set_isa(want: Isa) -> bool {
-    let best = detect();
-    let ok = match want {
-        Isa::Scalar => true,
-        Isa::Avx2 => matches!(best, Isa::Avx2 | Isa::Avx512),
-        Isa::Avx512 => best == Isa::Avx512,
-        Isa::Neon => best == Isa::Neon,
-    };
-    if ok {
-        ISA.store(encode(want), Ordering::Relaxed);
-    }
-    ok
-}
+use crate::isa::{Isa, isa};
 
 /// `a · b` over f32.
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -101,20 +28,14 @@ pub fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
         #[cfg(target_arch = "aarch64")]
         (Isa::Neon, DType::F32 | DType::F16 | DType::BF16) => unsafe { neon::dot(dtype, row, x) },
         (_, DType::F32 | DType::F16 | DType::BF16) => scalar::dot(dtype, row, x, 0, n),
-        (_, other) => panic!("dot_row: {other} rows are not supported yet"),
+        (_, quantized) => crate::quant::dot_row(quantized, row, x),
     }
 }
 
-/// Converts one stored row to f32 (`out.len()` elements): embedding lookups.
+/// Converts one stored row to f32 (`out.len()` elements): embedding lookups. Exact,
+/// and for quantized rows bitwise what gguf-py's dequantizer gives.
 pub fn row_to_f32(dtype: DType, row: &[u8], out: &mut [f32]) {
-    match dtype {
-        DType::F32 | DType::F16 | DType::BF16 => {
-            for (i, o) in out.iter_mut().enumerate() {
-                *o = load(dtype, row, i);
-            }
-        }
-        other => panic!("row_to_f32: {other} rows are not supported yet"),
-    }
+    sluice_core::quant::dequantize_row(dtype, row, out)
 }
 
 /// Reads element `i` of a plain-typed row.
@@ -287,42 +208,5 @@ mod neon {
             let s = vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3]));
             vaddvq_f32(s) + scalar::dot(dtype, row, x, i, n)
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn rows(n: usize) -> (Vec<f32>, Vec<u8>, Vec<u8>, Vec<u8>) {
-        let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
-        let w: Vec<f32> = (0..n).map(|i| ((i * 53 % 89) as f32 - 44.0) / 23.0).collect();
-        let f32b = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let f16b = w.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
-        let bf16b = w.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
-        (x, f32b, f16b, bf16b)
-    }
-
-    /// Every ISA this CPU has agrees with an f64 reference on every plain type and
-    /// on lengths that exercise the vector body and the scalar tail.
-    #[test]
-    fn all_isas_match_reference() {
-        for n in [1, 7, 8, 31, 64, 100, 257] {
-            let (x, f32b, f16b, bf16b) = rows(n);
-            for (dt, b) in [(DType::F32, &f32b), (DType::F16, &f16b), (DType::BF16, &bf16b)] {
-                let reference: f64 = (0..n).map(|i| load(dt, b, i) as f64 * x[i] as f64).sum();
-                for want in [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon] {
-                    if !set_isa(want) {
-                        continue;
-                    }
-                    let got = dot_row(dt, b, &x) as f64;
-                    assert!(
-                        (got - reference).abs() <= 1e-4 * (1.0 + reference.abs()),
-                        "{want:?} {dt} n={n}: {got} vs {reference}"
-                    );
-                }
-            }
-        }
-        set_isa(detect());
     }
 }

@@ -3,15 +3,20 @@
 //! engine's CPU backend strings them together.
 //!
 //! SIMD code is chosen once at run time ([`isa`]): AVX-512 or AVX2+FMA on x86-64,
-//! NEON on aarch64, and a portable scalar path everywhere. All of them sum in a
-//! fixed order for a given ISA, so results are bitwise repeatable run to run and
-//! independent of the thread count.
+//! NEON on aarch64, and a portable scalar path everywhere. Matrix products sum in a
+//! fixed order that every ISA follows exactly, so results are bitwise repeatable run
+//! to run and independent of the thread count and the ISA.
 
 pub mod attention;
 pub mod dot;
+mod isa;
 pub mod matmul;
 pub mod ops;
+mod par;
+mod plain;
+mod quant;
 
 pub use attention::{AttnParams, KvCache, attention};
-pub use dot::{Isa, dot_f32, dot_row, isa, row_to_f32, set_isa};
+pub use dot::{dot_f32, dot_row, row_to_f32};
+pub use isa::{Isa, isa, set_avx2_vnni, set_isa};
 pub use matmul::matmul;

@@ -21,12 +21,73 @@ pub struct Step<'a, B: Backend> {
     pub timers: &'a mut Timers,
     pub eps: f32,
     pub norm_offset: f32,
+    /// Next-layer router probes (`--prefetch pilot`), when on for this step.
+    pub pilot: Option<&'a mut Pilot>,
 }
 
 impl<B: Backend> Step<'_, B> {
     /// RMS norm over whole rows, with a weight.
     pub fn norm(&self, x: &mut B::Act, w: &B::Vector, width: usize) {
         self.be.rms_norm(x, width, Some(w), self.norm_offset, self.eps);
+    }
+
+    /// Whether this step probes the next layer's router.
+    pub fn piloting(&self) -> bool {
+        self.pilot.is_some()
+    }
+
+    /// Starts reading the experts a pilot probe predicts for `layer`.
+    pub fn prefetch(&mut self, layer: usize, predicted: &Routing) {
+        let ids = predicted.unique();
+        self.store.prefetch(layer, &ids);
+        if let Some(p) = self.pilot.as_deref_mut() {
+            p.stats.probes += 1;
+            p.stats.predicted += ids.len() as u64;
+            p.predicted[layer] = Some(ids);
+        }
+    }
+
+    /// Scores the pilot's prediction for `layer` against the experts it really routed to.
+    pub fn observe(&mut self, layer: usize, routing: &Routing) {
+        if let Some(p) = self.pilot.as_deref_mut()
+            && let Some(pred) = p.predicted[layer].take()
+        {
+            let actual = routing.unique();
+            p.stats.chosen += actual.len() as u64;
+            p.stats.recalled += actual.iter().filter(|e| pred.contains(e)).count() as u64;
+        }
+    }
+}
+
+/// Next-layer router probes: while layer l runs, layer l+1's router is applied to
+/// the residual after layer l's attention, and the experts it picks are read ahead.
+#[derive(Debug, Default)]
+pub struct Pilot {
+    predicted: Vec<Option<Vec<usize>>>,
+    pub stats: PilotStats,
+}
+
+impl Pilot {
+    pub fn new(n_layers: usize) -> Self {
+        Pilot { predicted: vec![None; n_layers], stats: PilotStats::default() }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct PilotStats {
+    /// Probes run (one per MoE layer per decode step).
+    pub probes: u64,
+    /// Experts the probes predicted, and how many experts the routers really chose.
+    pub predicted: u64,
+    pub chosen: u64,
+    /// Chosen experts that had been predicted.
+    pub recalled: u64,
+}
+
+impl PilotStats {
+    /// Predicted among the chosen.
+    pub fn recall(&self) -> Option<f64> {
+        (self.chosen > 0).then(|| self.recalled as f64 / self.chosen as f64)
     }
 }
 

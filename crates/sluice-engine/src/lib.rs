@@ -9,5 +9,5 @@ pub mod sampler;
 pub mod stats;
 
 pub use backend::{Backend, Cpu};
-pub use model::{GenerationStats, Logits, Model, Session};
+pub use model::{GenerationStats, LoadOptions, Logits, Model, Prefetch, Session};
 pub use sampler::{Sampler, SamplerConfig};

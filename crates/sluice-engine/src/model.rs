@@ -3,17 +3,37 @@
 use std::path::Path;
 
 use sluice_core::{Error, Family, ModelSpec, Result};
-use sluice_experts::ExpertStore;
+use sluice_experts::{ExpertStore, StoreConfig};
 use sluice_formats::Checkpoint;
 
 use crate::backend::{Backend, Cpu};
-use crate::blocks::{Step, check_tokens};
+use crate::blocks::{Pilot, Step, check_tokens};
 use crate::families::{Network, gemma::Gemma, llama::Llama};
 use crate::stats::Timers;
 
 /// Longest run of tokens pushed through the layers at once; longer prompts are
 /// prefilled in chunks of this size to bound activation memory.
 pub const PREFILL_CHUNK: usize = 512;
+
+/// Read-ahead of routed experts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Prefetch {
+    #[default]
+    Off,
+    /// Probe the next layer's router on the current residual and read its picks early.
+    Pilot,
+}
+
+/// How a model is loaded beyond its files.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    pub store: StoreConfig,
+    pub prefetch: Prefetch,
+}
+
+/// Decode-sized steps probe the next layer's router; a prefill chunk touches most
+/// experts anyway, so probing it would only read ahead what it is about to read.
+const PILOT_MAX_TOKENS: usize = 4;
 
 pub struct Model<B: Backend = Cpu> {
     pub spec: ModelSpec,
@@ -22,6 +42,11 @@ pub struct Model<B: Backend = Cpu> {
     pub store: ExpertStore,
     /// The most positions a session may hold (the model's, or less if asked).
     pub max_context: usize,
+    pub prefetch: Prefetch,
+    /// Weight bytes one decode step reads: every resident matrix, the output
+    /// projection, one row of each embedding table, and top-k experts per MoE layer
+    /// (their average size). Divided into memory bandwidth it gives the roofline.
+    pub bytes_per_token: u64,
 }
 
 impl Model<Cpu> {
@@ -33,15 +58,30 @@ impl Model<Cpu> {
 }
 
 impl<B: Backend + 'static> Model<B> {
+    /// Loads with every expert served in place from the mapped files.
     pub fn load(be: B, ckpt: &Checkpoint) -> Result<Model<B>> {
+        Model::load_with(be, ckpt, &LoadOptions::default(), None)
+    }
+
+    /// Loads with the given expert residency and prefetch; `progress` sees bytes
+    /// loaded of total while a resident store reads its experts.
+    pub fn load_with(
+        be: B,
+        ckpt: &Checkpoint,
+        opts: &LoadOptions,
+        progress: Option<&mut dyn FnMut(u64, u64)>,
+    ) -> Result<Model<B>> {
         let net: Box<dyn Network<B>> = match ckpt.family() {
             Family::Gemma => Box::new(Gemma::load(&be, ckpt)?),
             Family::Llama => Box::new(Llama::load(&be, ckpt)?),
         };
+        let store = ExpertStore::open(ckpt, &opts.store, progress)?;
         Ok(Model {
             spec: ckpt.spec.clone(),
             max_context: ckpt.spec.max_context,
-            store: ExpertStore::open(ckpt)?,
+            prefetch: if ckpt.spec.is_moe() { opts.prefetch } else { Prefetch::Off },
+            bytes_per_token: decode_bytes_per_token(ckpt, &store),
+            store,
             be,
             net,
         })
@@ -57,8 +97,30 @@ impl<B: Backend + 'static> Model<B> {
                 a.kv_source.is_none().then(|| self.be.kv_new(a.kv_dim(), a.window))
             })
             .collect();
-        Session { model: self, caches, timers: Timers::default() }
+        Session { model: self, caches, timers: Timers::default(), pilot: Pilot::new(self.spec.n_layers()) }
     }
+}
+
+fn decode_bytes_per_token(ckpt: &Checkpoint, store: &ExpertStore) -> u64 {
+    use sluice_formats::{TensorId, TensorKind};
+    let spec = &ckpt.spec;
+    let all: u64 = ckpt.tensors().iter().map(|t| t.len_bytes() as u64).sum();
+    let mut bytes = all - store.total_bytes();
+    for kind in [TensorKind::TokenEmbd, TensorKind::PleTokenEmbd] {
+        if let Some(t) = ckpt.get(TensorId::model(kind)) {
+            let rows = t.shape.first().copied().unwrap_or(1).max(1) as u64;
+            let row = t.len_bytes() as u64 / rows;
+            // A tied output projection reads the whole table; a lookup one row.
+            let read = if kind == TensorKind::TokenEmbd && spec.tie_word_embeddings { t.len_bytes() as u64 } else { 0 };
+            bytes = bytes - t.len_bytes() as u64 + row + read;
+        }
+    }
+    for (l, ls) in spec.layers.iter().enumerate() {
+        if let Some(m) = &ls.moe {
+            bytes += store.layer_bytes(l) / m.n_experts.max(1) as u64 * m.top_k as u64;
+        }
+    }
+    bytes
 }
 
 /// One sequence being run: its KV caches and timings.
@@ -66,6 +128,7 @@ pub struct Session<'m, B: Backend> {
     model: &'m Model<B>,
     caches: Vec<Option<B::Kv>>,
     pub timers: Timers,
+    pub pilot: Pilot,
 }
 
 /// Which rows of logits a forward call returns.
@@ -109,6 +172,7 @@ impl<B: Backend + 'static> Session<'_, B> {
         let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
         for (ci, chunk) in chunks.iter().enumerate() {
             let last_chunk = ci + 1 == chunks.len();
+            let pilot = (m.prefetch == Prefetch::Pilot && chunk.len() <= PILOT_MAX_TOKENS).then_some(&mut self.pilot);
             let mut step = Step {
                 be: &m.be,
                 caches: &self.caches,
@@ -117,6 +181,7 @@ impl<B: Backend + 'static> Session<'_, B> {
                 timers: &mut self.timers,
                 eps: m.spec.rms_norm_eps,
                 norm_offset: m.spec.norm_weight_offset,
+                pilot,
             };
             let x = m.net.forward(&mut step, chunk)?;
             let pending = std::mem::take(&mut step.pending);

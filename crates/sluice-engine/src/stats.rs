@@ -59,3 +59,34 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
+
+/// Measures how fast this machine reads memory with the kernels' thread pool: the
+/// roofline for resident decode, where every weight byte is read once per token.
+/// Reads `bytes` (well above the last-level cache) `reps` times; returns the best
+/// rate in bytes per second.
+pub fn memory_read_bandwidth(bytes: usize, reps: usize) -> f64 {
+    use rayon::prelude::*;
+    let words = bytes / 8;
+    let buf: Vec<u64> = (0..words as u64).into_par_iter().map(|i| i.wrapping_mul(0x9E37_79B9)).collect();
+    let mut best = 0f64;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        let sum = buf
+            .par_chunks(1 << 16)
+            .map(|c| {
+                // Eight independent lanes so the loop vectorises and is load-bound.
+                let mut acc = [0u64; 8];
+                for w in c.chunks_exact(8) {
+                    for l in 0..8 {
+                        acc[l] = acc[l].wrapping_add(w[l]);
+                    }
+                }
+                acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+            })
+            .reduce(|| 0, u64::wrapping_add);
+        let dt = t.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        best = best.max((words * 8) as f64 / dt);
+    }
+    best
+}

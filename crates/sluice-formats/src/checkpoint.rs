@@ -5,16 +5,26 @@ use std::path::{Path, PathBuf};
 
 use sluice_core::{Error, Family, ModelSpec, MoeSpec, Result};
 
+use crate::gguf::{GgufFile, has_gguf_magic};
 use crate::mapped::TensorView;
-use crate::names::{TensorId, TensorKind, hf_name};
-use crate::{hf_config, safetensors};
+use crate::names::{TensorId, TensorKind, gguf_name, hf_name};
+use crate::{gguf_config, hf_config, safetensors};
 
 pub struct Checkpoint {
     pub path: PathBuf,
     pub spec: ModelSpec,
-    /// Module path of the language model in tensor names (`model.` and the like).
-    prefix: String,
+    source: Source,
     tensors: HashMap<String, TensorView>,
+}
+
+/// Where the tensors come from, which decides what they are called.
+enum Source {
+    /// A Hugging Face folder; the prefix is the language model's module path in tensor
+    /// names (`model.` and the like).
+    Hf {
+        prefix: String,
+    },
+    Gguf(GgufFile),
 }
 
 /// One routed expert's three matrices, each `[rows, cols]` as a Linear weight.
@@ -32,12 +42,37 @@ impl ExpertMats {
 }
 
 impl Checkpoint {
-    /// Opens a Hugging Face model folder (config.json + safetensors).
+    /// Opens a Hugging Face model folder (config.json + safetensors) or a GGUF file
+    /// (recognised by its magic, whatever its name).
     pub fn open(path: &Path) -> Result<Checkpoint> {
         let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
-        if !meta.is_dir() {
-            return Err(Error::format(path, "not a model folder (expected a Hugging Face folder with config.json)"));
+        if meta.is_dir() {
+            return Self::open_hf(path);
         }
+        if has_gguf_magic(path)? {
+            return Self::open_gguf(path);
+        }
+        let gguf_name = path.extension().is_some_and(|x| x.eq_ignore_ascii_case("gguf"));
+        Err(Error::format(
+            path,
+            if gguf_name {
+                "not a GGUF file (it does not start with the magic \"GGUF\")"
+            } else {
+                "not a model (expected a Hugging Face folder with config.json, or a GGUF file)"
+            },
+        ))
+    }
+
+    /// Opens a GGUF file.
+    pub fn open_gguf(path: &Path) -> Result<Checkpoint> {
+        let file = GgufFile::open(path)?;
+        let spec = gguf_config::read(&file)?;
+        let tensors = file.tensors().iter().map(|t| (t.name.clone(), t.clone())).collect();
+        Ok(Checkpoint { path: path.to_path_buf(), spec, source: Source::Gguf(file), tensors })
+    }
+
+    /// Opens a Hugging Face model folder.
+    pub fn open_hf(path: &Path) -> Result<Checkpoint> {
         let cfg = hf_config::read(path)?;
         let mut spec = cfg.spec;
         let tensors = safetensors::read_folder(path)?;
@@ -59,7 +94,16 @@ impl Checkpoint {
         if !tensors.contains_key("lm_head.weight") {
             spec.tie_word_embeddings = true;
         }
-        Ok(Checkpoint { path: path.to_path_buf(), spec, prefix, tensors })
+        Ok(Checkpoint { path: path.to_path_buf(), spec, source: Source::Hf { prefix }, tensors })
+    }
+
+    /// The GGUF file this checkpoint was read from, if it was one (its metadata holds
+    /// the vocabulary and chat template).
+    pub fn gguf(&self) -> Option<&GgufFile> {
+        match &self.source {
+            Source::Gguf(g) => Some(g),
+            Source::Hf { .. } => None,
+        }
     }
 
     pub fn family(&self) -> Family {
@@ -68,7 +112,10 @@ impl Checkpoint {
 
     /// The name this checkpoint's format gives to a tensor.
     pub fn name(&self, id: TensorId) -> String {
-        hf_name(self.spec.family, &self.prefix, id)
+        match &self.source {
+            Source::Hf { prefix } => hf_name(self.spec.family, prefix, id),
+            Source::Gguf(_) => gguf_name(id),
+        }
     }
 
     pub fn get(&self, id: TensorId) -> Option<&TensorView> {

@@ -456,7 +456,9 @@ fn gemma3(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
     let head_dim = cfg.usize_opt("head_dim")?.unwrap_or(256);
     let window = cfg.usize_opt("sliding_window")?.unwrap_or(4096);
     if n_kv == 0 || n_heads % n_kv != 0 {
-        return Err(cfg.err(format!("num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv})")));
+        return Err(
+            cfg.err(format!("num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv})"))
+        );
     }
     let sliding: Vec<bool> = match cfg.get("layer_types") {
         Some(Value::Array(a)) if a.len() == n_layers => a
@@ -526,7 +528,10 @@ fn gemma3(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
         // Gemma 3's RMSNorm multiplies by 1 + weight.
         norm_weight_offset: 1.0,
         final_logit_softcap: cfg.f32_opt("final_logit_softcapping")?,
-        tie_word_embeddings: cfg.bool_opt("tie_word_embeddings")?.or(top.bool_opt("tie_word_embeddings")?).unwrap_or(true),
+        tie_word_embeddings: cfg
+            .bool_opt("tie_word_embeddings")?
+            .or(top.bool_opt("tie_word_embeddings")?)
+            .unwrap_or(true),
         max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(131_072),
         layers,
         ple: None,

@@ -1,13 +1,18 @@
-//! Reading model files in place: Hugging Face folders (config.json + safetensors)
-//! now, GGUF and the packed layout next. Everything here is checked against the
+//! Reading model files in place: Hugging Face folders (config.json + safetensors) and
+//! GGUF files, with the packed layout next. Everything here is checked against the
 //! file's own header before a byte of tensor data is touched.
 
 pub mod checkpoint;
+pub mod gguf;
+pub mod gguf_config;
+pub mod gguf_write;
 pub mod hf_config;
 pub mod mapped;
 pub mod names;
 pub mod safetensors;
 
 pub use checkpoint::{Checkpoint, ExpertMats};
+pub use gguf::{GgufFile, GgufValue};
+pub use gguf_write::GgufWriter;
 pub use mapped::{MappedFile, TensorView};
 pub use names::{TensorId, TensorKind};

@@ -133,3 +133,62 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
     };
     format!("{prefix}layers.{l}.{rel}")
 }
+
+/// The GGUF name of a tensor, as llama.cpp's converter writes it (gguf-py's
+/// `TENSOR_NAMES`). GGUF keeps experts only as 3-D tensors; the per-expert 2-D kinds map
+/// to the legacy `blk.N.ffn_gate.E.weight` names of early Mixtral files, which other
+/// files simply do not have.
+pub fn gguf_name(id: TensorId) -> String {
+    use TensorKind::*;
+    let Some(l) = id.layer else {
+        return match id.kind {
+            TokenEmbd => "token_embd.weight".into(),
+            OutputNorm => "output_norm.weight".into(),
+            Output => "output.weight".into(),
+            PleTokenEmbd => "per_layer_token_embd.weight".into(),
+            PleModelProj => "per_layer_model_proj.weight".into(),
+            PleProjNorm => "per_layer_proj_norm.weight".into(),
+            other => format!("<{other:?} has no model-level name>"),
+        };
+    };
+    let rel = match id.kind {
+        AttnNorm => "attn_norm.weight".to_string(),
+        AttnQ => "attn_q.weight".into(),
+        AttnK => "attn_k.weight".into(),
+        AttnV => "attn_v.weight".into(),
+        AttnOut => "attn_output.weight".into(),
+        AttnQBias => "attn_q.bias".into(),
+        AttnKBias => "attn_k.bias".into(),
+        AttnVBias => "attn_v.bias".into(),
+        AttnQNorm => "attn_q_norm.weight".into(),
+        AttnKNorm => "attn_k_norm.weight".into(),
+        AttnPostNorm => "post_attention_norm.weight".into(),
+        // Both Llama's post-attention norm and Gemma's pre-feedforward norm.
+        FfnNorm => "ffn_norm.weight".into(),
+        FfnGate => "ffn_gate.weight".into(),
+        FfnUp => "ffn_up.weight".into(),
+        FfnDown => "ffn_down.weight".into(),
+        FfnPostNorm => "post_ffw_norm.weight".into(),
+        FfnPostNorm1 => "post_ffw_norm_1.weight".into(),
+        FfnPreNorm2 => "pre_ffw_norm_2.weight".into(),
+        FfnPostNorm2 => "post_ffw_norm_2.weight".into(),
+        Router => "ffn_gate_inp.weight".into(),
+        // Gemma 4: the converter stores router.scale and router.per_expert_scale as
+        // `.scale` companions of the router and of the down experts.
+        RouterScale => "ffn_gate_inp.scale".into(),
+        RouterExpertScale => "ffn_down_exps.scale".into(),
+        ExpsGateUp => "ffn_gate_up_exps.weight".into(),
+        ExpsGate => "ffn_gate_exps.weight".into(),
+        ExpsUp => "ffn_up_exps.weight".into(),
+        ExpsDown => "ffn_down_exps.weight".into(),
+        ExpGate(e) => format!("ffn_gate.{e}.weight"),
+        ExpUp(e) => format!("ffn_up.{e}.weight"),
+        ExpDown(e) => format!("ffn_down.{e}.weight"),
+        LayerScalar => "layer_output_scale.weight".into(),
+        PleGate => "inp_gate.weight".into(),
+        PleProj => "proj.weight".into(),
+        PlePostNorm => "post_norm.weight".into(),
+        other => format!("<{other:?} has no layer-level name>"),
+    };
+    format!("blk.{l}.{rel}")
+}

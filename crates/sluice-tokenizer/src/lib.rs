@@ -1,12 +1,14 @@
 //! One tokenizer for every model source: text to ids and back, the chat template, and
 //! streamed detokenizing.
 //!
-//! Today the source is a Hugging Face folder (`tokenizer.json` and its configs). A GGUF
-//! vocabulary (gpt2-style BPE or SentencePiece, from the `tokenizer.ggml.*` arrays) will
-//! come in through the same door: build a `tokenizers::Tokenizer` in memory, fill a
-//! `Extras` from the metadata (BOS/EOS ids, `tokenizer.chat_template`), and call
-//! `Tokenizer::assemble`. Nothing above that line knows where the vocabulary came from.
+//! Two sources: a Hugging Face folder (`tokenizer.json` and its configs,
+//! [`Tokenizer::from_hf_dir`]) and a GGUF file's `tokenizer.ggml.*` metadata
+//! ([`Tokenizer::from_gguf`], which rebuilds in memory the `tokenizers::Tokenizer` that
+//! transformers builds from the same file). Both fill an `Extras` (BOS/EOS ids, the chat
+//! template and its token variables) and end in `Tokenizer::assemble`; nothing above that
+//! line knows where the vocabulary came from.
 
+mod gguf;
 mod stream;
 mod template;
 
@@ -53,6 +55,8 @@ pub struct Tokenizer {
     /// Ids that `decode(.., skip_special = true)` drops.
     special_ids: HashSet<u32>,
     template: Option<ChatTemplate>,
+    /// The `*_token` template variables, kept for a template set later.
+    template_tokens: Vec<(String, Value)>,
 }
 
 /// What a vocabulary source says besides the vocabulary: HF folders take it from
@@ -155,8 +159,9 @@ impl Tokenizer {
             }
         }
 
-        let template = extras.template.map(|source| ChatTemplate::new(source, extras.template_tokens));
-        Ok(Tokenizer { inner, source, bos_id: extras.bos_id, eos_ids, special_ids, template })
+        let template_tokens = extras.template_tokens;
+        let template = extras.template.map(|source| ChatTemplate::new(source, template_tokens.clone()));
+        Ok(Tokenizer { inner, source, bos_id: extras.bos_id, eos_ids, special_ids, template, template_tokens })
     }
 
     /// Encodes text; `add_special` adds what the tokenizer's post-processor adds (e.g. BOS),
@@ -212,15 +217,27 @@ impl Tokenizer {
         self.template.is_some()
     }
 
+    /// Replaces the chat template (a user's `--chat-template` file, or a built-in one for
+    /// a model that ships none). `name` is what errors call it.
+    pub fn set_chat_template(&mut self, name: &str, text: String) {
+        let tokens = self.template_tokens.clone();
+        self.template = Some(ChatTemplate::new(TemplateSource { name: name.to_string(), text }, tokens));
+    }
+
     /// Renders the chat template (HF semantics: messages, add_generation_prompt, bos_token,
-    /// eos_token, plus any other *_token strings from tokenizer_config.json) to a string.
+    /// eos_token, plus any other *_token strings from tokenizer_config.json, or bos, eos, unk
+    /// and pad from a GGUF file's ids) to a string.
     pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let template = self.template.as_ref().ok_or_else(|| {
-            Error::Template(format!(
-                "the model in {} has no chat template (no chat_template.jinja, and none in \
-                 tokenizer_config.json)",
-                self.source.parent().unwrap_or(&self.source).display()
-            ))
+            Error::Template(if self.source.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+                format!("{} has no chat template (no tokenizer.chat_template in its metadata)", self.source.display())
+            } else {
+                format!(
+                    "the model in {} has no chat template (no chat_template.jinja, and none in \
+                     tokenizer_config.json)",
+                    self.source.parent().unwrap_or(&self.source).display()
+                )
+            })
         })?;
         template.render(messages, add_generation_prompt)
     }

@@ -20,7 +20,7 @@ use sluice_core::{ModelSpec, Result};
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
 use super::Network;
-use crate::backend::Backend;
+use crate::backend::{Backend, Routing};
 use crate::blocks::{Attention, Mlp, Step, check_tokens, experts, load_mat, load_vector, route};
 
 struct Moe<B: Backend> {
@@ -157,6 +157,27 @@ impl<B: Backend> Gemma<B> {
     }
 }
 
+impl<B: Backend> Gemma<B> {
+    /// The router reads the residual itself: weightless norm, times its scale and
+    /// hidden^-0.5, softmax, top-k, renormalised, times the per-expert scale.
+    fn route(&self, step: &mut Step<'_, B>, m: &Moe<B>, x: &B::Act) -> Routing {
+        let be = step.be;
+        let h = self.spec.hidden_size;
+        let eps = step.eps;
+        step.timers.time(
+            |t| &mut t.router,
+            || {
+                let mut r = be.copy(x);
+                be.rms_norm(&mut r, h, None, 0.0, eps);
+                be.mul_row(&mut r, &m.router_scale);
+                be.scale(&mut r, (h as f32).powf(-0.5));
+                let logits = be.to_host(&be.matmul(&r, &m.router));
+                route(&logits, m.n_experts, m.top_k, true, Some(&m.expert_scale))
+            },
+        )
+    }
+}
+
 impl<B: Backend> Network<B> for Gemma<B> {
     fn forward(&self, step: &mut Step<'_, B>, tokens: &[u32]) -> Result<B::Act> {
         let be = step.be;
@@ -177,22 +198,22 @@ impl<B: Backend> Network<B> for Gemma<B> {
             step.norm(&mut a, &l.attn_post_norm, h);
             be.add(&mut x, &a);
 
+            // Pilot: the next layer's router on this layer's residual, to read its
+            // experts while this layer computes.
+            if step.piloting()
+                && let Some(next) = self.layers.get(i + 1).and_then(|n| n.moe.as_ref())
+            {
+                let r = self.route(step, next, &x);
+                step.prefetch(i + 1, &r);
+            }
+
             let mut f = be.copy(&x);
             step.norm(&mut f, &l.ffn_norm, h);
             let mut f = l.mlp.forward(step, &f, act);
             if let Some(m) = &l.moe {
                 step.norm(&mut f, &m.post_norm_1, h);
-                let routing = step.timers.time(
-                    |t| &mut t.router,
-                    || {
-                        let mut r = be.copy(&x);
-                        be.rms_norm(&mut r, h, None, 0.0, step.eps);
-                        be.mul_row(&mut r, &m.router_scale);
-                        be.scale(&mut r, (h as f32).powf(-0.5));
-                        let logits = be.to_host(&be.matmul(&r, &m.router));
-                        route(&logits, m.n_experts, m.top_k, true, Some(&m.expert_scale))
-                    },
-                );
+                let routing = self.route(step, m, &x);
+                step.observe(i, &routing);
                 let mut e = be.copy(&x);
                 step.norm(&mut e, &m.pre_norm_2, h);
                 let mut e = experts(step, i, &e, &routing, act)?;

@@ -8,7 +8,7 @@ use sluice_core::{ModelSpec, Result, RouterKind};
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
 use super::Network;
-use crate::backend::Backend;
+use crate::backend::{Backend, Routing};
 use crate::blocks::{Attention, Mlp, Step, experts, load_mat, load_vector, route};
 
 enum Ffn<B: Backend> {
@@ -75,6 +75,20 @@ impl<B: Backend> Llama<B> {
     }
 }
 
+impl<B: Backend> Llama<B> {
+    /// Routing of a sparse layer for its normed input.
+    fn route(&self, step: &mut Step<'_, B>, layer: usize, h: &B::Act) -> Option<Routing> {
+        let Ffn::Sparse { router, n_experts, top_k, renormalize } = &self.layers[layer].ffn else {
+            return None;
+        };
+        let be = step.be;
+        Some(step.timers.time(
+            |t| &mut t.router,
+            || route(&be.to_host(&be.matmul(h, router)), *n_experts, *top_k, *renormalize, None),
+        ))
+    }
+}
+
 impl<B: Backend> Network<B> for Llama<B> {
     fn forward(&self, step: &mut Step<'_, B>, tokens: &[u32]) -> Result<B::Act> {
         let be = step.be;
@@ -87,15 +101,25 @@ impl<B: Backend> Network<B> for Llama<B> {
             let a = l.attn.forward(step, &a);
             be.add(&mut x, &a);
 
+            // Pilot: the next layer's router on this layer's residual, to read its
+            // experts while this layer computes.
+            if step.piloting()
+                && let Some(next) = self.layers.get(i + 1).filter(|n| matches!(n.ffn, Ffn::Sparse { .. }))
+            {
+                let mut p = be.copy(&x);
+                step.norm(&mut p, &next.ffn_norm, h);
+                if let Some(r) = self.route(step, i + 1, &p) {
+                    step.prefetch(i + 1, &r);
+                }
+            }
+
             let mut f = be.copy(&x);
             step.norm(&mut f, &l.ffn_norm, h);
             let f = match &l.ffn {
                 Ffn::Dense(mlp) => mlp.forward(step, &f, act),
-                Ffn::Sparse { router, n_experts, top_k, renormalize } => {
-                    let routing = step.timers.time(
-                        |t| &mut t.router,
-                        || route(&be.to_host(&be.matmul(&f, router)), *n_experts, *top_k, *renormalize, None),
-                    );
+                Ffn::Sparse { .. } => {
+                    let routing = self.route(step, i, &f).expect("a sparse layer routes");
+                    step.observe(i, &routing);
                     experts(step, i, &f, &routing, act)?
                 }
             };

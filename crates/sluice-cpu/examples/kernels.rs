@@ -1,0 +1,157 @@
+//! Matmul kernel speed, per stored format, against the machine's own limits.
+//!
+//!     cargo run --release -p sluice-cpu --example kernels [-- --only Q4_K,Q6_K] [--bw 40]
+//!
+//! Per format, with 1 and 2 threads:
+//! - decode (n = 1) on 4096 x 4096, cycling through enough copies that they do not fit
+//!   the L3 cache: GB/s of weight bytes read and the fraction of `--bw` GB/s (the
+//!   machine's measured read bandwidth, 40 by default);
+//! - decode on one 4096 x 4096 matrix repeated (cache-resident where it fits);
+//! - prefill (n = 128) on 4096 x 4096: GFLOP/s (2 * rows * cols * n per call).
+//!
+//! Then small-model shapes (SmolLM2-135M: 576 x 576 and 1536 x 576 / 576 x 1536, Q4_1):
+//! microseconds per decode call, and the per-call overhead, measured on a 16 x 32
+//! matrix whose arithmetic is negligible.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Rng, random_input, random_matrix};
+use sluice_core::{DType, MatRef};
+use sluice_cpu::matmul;
+
+const BIG: usize = 4096;
+
+fn parse(name: &str) -> DType {
+    common::ALL
+        .into_iter()
+        .find(|d| d.name().eq_ignore_ascii_case(name))
+        .unwrap_or_else(|| panic!("unknown type {name}"))
+}
+
+/// Seconds per call of `f`: the best of five trials, each the mean over at least
+/// `min / 5` of repeated calls (the best trial is the one least disturbed by other
+/// processes on a shared machine).
+fn time(min: Duration, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let mut calls = 0u64;
+        let t = Instant::now();
+        while t.elapsed() < min / 5 || calls < 2 {
+            f();
+            calls += 1;
+        }
+        best = best.min(t.elapsed().as_secs_f64() / calls as f64);
+    }
+    best
+}
+
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let flag = |name: &str| args.iter().position(|a| a == name).map(|i| args[i + 1].clone());
+    let bw: f64 = flag("--bw").map_or(40.0, |v| v.parse().unwrap());
+    let only: Vec<DType> = flag("--only").map_or(
+        vec![
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q5_0,
+            DType::Q5_1,
+            DType::Q8_0,
+            DType::Q4K,
+            DType::Q5K,
+            DType::Q6K,
+            DType::MXFP4,
+            DType::BF16,
+            DType::F16,
+            DType::F32,
+        ],
+        |v| v.split(',').map(parse).collect(),
+    );
+    let has = |name: &str| args.iter().any(|a| a == name);
+    let skip_small = has("--no-small");
+    // For profiling one phase: skip the others.
+    let (skip_cold, skip_hot, skip_prefill) = (has("--no-cold"), has("--no-hot"), has("--no-prefill"));
+    println!("isa {:?}; read bandwidth reference {bw} GB/s", sluice_cpu::isa());
+    println!(
+        "{:<6} {:>3} | {:>22} | {:>16} | {:>14}",
+        "type", "thr", "decode DRAM GB/s (frac)", "decode hot GB/s", "prefill GFLOP/s"
+    );
+    let mut rng = Rng(7);
+    let pools = [pool(1), pool(2)];
+    for dtype in only {
+        let one = random_matrix(dtype, BIG, BIG, &mut rng);
+        // Enough copies to overflow a 32 MiB L3 several times.
+        let copies = (256usize << 20).div_ceil(one.len()).max(2);
+        let many: Vec<Vec<u8>> = (0..copies).map(|_| one.clone()).collect();
+        let x1 = random_input(1, BIG, &mut rng);
+        let xp = random_input(128, BIG, &mut rng);
+        let mut out1 = vec![0f32; BIG];
+        let mut outp = vec![0f32; 128 * BIG];
+        for (ti, p) in pools.iter().enumerate() {
+            let mut k = 0;
+            let cold = if skip_cold {
+                f64::NAN
+            } else {
+                p.install(|| {
+                    time(Duration::from_millis(600), || {
+                        let w = MatRef::new(dtype, BIG, BIG, &many[k % copies]).unwrap();
+                        matmul(w, &x1, 1, &mut out1);
+                        k += 1;
+                    })
+                })
+            };
+            let w = MatRef::new(dtype, BIG, BIG, &one).unwrap();
+            let hot = if skip_hot {
+                f64::NAN
+            } else {
+                p.install(|| time(Duration::from_millis(400), || matmul(w, &x1, 1, &mut out1)))
+            };
+            let pre = if skip_prefill {
+                f64::NAN
+            } else {
+                p.install(|| time(Duration::from_millis(1000), || matmul(w, &xp, 128, &mut outp)))
+            };
+            let gb = one.len() as f64 / 1e9;
+            println!(
+                "{:<6} {:>3} | {:>12.1} ({:>5.2}) | {:>16.1} | {:>14.1}",
+                dtype.name(),
+                ti + 1,
+                gb / cold,
+                gb / cold / bw,
+                gb / hot,
+                2.0 * (BIG * BIG * 128) as f64 / pre / 1e9
+            );
+        }
+    }
+    if skip_small {
+        return;
+    }
+    println!("\nsmall shapes (SmolLM2-135M), decode, microseconds per call");
+    println!("{:<22} {:>3} | {:>8} | {:>8}", "shape", "thr", "us/call", "GB/s");
+    for (dtype, rows, cols) in [
+        (DType::Q4_1, 16, 32),
+        (DType::Q4_1, 576, 576),
+        (DType::Q4_1, 1536, 576),
+        (DType::Q4_1, 576, 1536),
+        (DType::Q8_0, 576, 576),
+        (DType::Q4K, 896, 1536),
+        (DType::Q6K, 896, 1536),
+    ] {
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        let x = random_input(1, cols, &mut rng);
+        let mut out = vec![0f32; rows];
+        let w = MatRef::new(dtype, rows, cols, &bytes).unwrap();
+        for (ti, p) in pools.iter().enumerate() {
+            let t = p.install(|| time(Duration::from_millis(300), || matmul(w, &x, 1, &mut out)));
+            let shape = format!("{} {}x{}", dtype.name(), rows, cols);
+            println!("{:<22} {:>3} | {:>8.2} | {:>8.1}", shape, ti + 1, t * 1e6, bytes.len() as f64 / t / 1e9);
+        }
+    }
+}

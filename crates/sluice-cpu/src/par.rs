@@ -1,0 +1,59 @@
+//! Splitting a matmul over threads.
+//!
+//! Work is a range of independent items (row tiles) split into a few contiguous
+//! ranges, one per thread: an output is always computed whole by one task, so the
+//! split never changes a value. Small calls stay on the calling thread, because
+//! handing work to another thread costs microseconds and a small model's decode
+//! makes hundreds of matmul calls per token.
+
+use std::ops::Range;
+
+/// Below this much work (weight bytes times tokens) per extra task, splitting costs
+/// more than it saves.
+const MIN_COST_PER_TASK: usize = 48 << 10;
+
+/// Calls `f` on contiguous ranges covering `0..items`, in parallel when `cost` is
+/// large enough to pay for it.
+pub(crate) fn for_each_range(items: usize, cost: usize, f: impl Fn(Range<usize>) + Sync) {
+    let tasks = rayon::current_num_threads().min(items).min(cost / MIN_COST_PER_TASK).max(1);
+    if tasks == 1 {
+        f(0..items);
+    } else {
+        split(0, tasks, items, tasks, &f);
+    }
+}
+
+/// Runs tasks `lo..hi` of `tasks` (task `t` covers items `t * items / tasks ..`) by
+/// halving with `rayon::join`, the cheapest way to start a handful of tasks.
+fn split(lo: usize, hi: usize, items: usize, tasks: usize, f: &(impl Fn(Range<usize>) + Sync)) {
+    if hi - lo == 1 {
+        f(lo * items / tasks..(lo + 1) * items / tasks);
+    } else {
+        let mid = (lo + hi) / 2;
+        rayon::join(|| split(lo, mid, items, tasks, f), || split(mid, hi, items, tasks, f));
+    }
+}
+
+/// The output of a matmul, `[n, rows]` row-major, shared by tasks that write
+/// disjoint rows of it.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr {
+    ptr: *mut f32,
+    rows: usize,
+}
+
+// Tasks write disjoint elements (each output row range belongs to one task).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    pub fn new(out: &mut [f32], rows: usize) -> OutPtr {
+        OutPtr { ptr: out.as_mut_ptr(), rows }
+    }
+
+    /// Where output `row` of token `tok` goes.
+    pub fn at(self, tok: usize, row: usize) -> *mut f32 {
+        debug_assert!(row <= self.rows);
+        unsafe { self.ptr.add(tok * self.rows + row) }
+    }
+}

@@ -1,0 +1,172 @@
+//! The shape every quantized kernel shares, and the loops that drive it over a tile.
+//!
+//! A weight row is a sequence of units (a 32-element block or a 256-element
+//! super-block). For a tile of `S::N` rows, a format says how to unpack a unit's
+//! per-row scales (`head`) and its weights, 32 elements at a time (`chunk`: eight
+//! vectors of four unsigned codes per lane), and how one token's quantized
+//! activations combine with them: an integer accumulator started by `start`,
+//! advanced by `step` for each chunk, and folded into the f32 result by `finish`.
+//!
+//! The f32 result of an output depends only on the sequence of `finish` calls, one
+//! per unit in order, which is the same whether a tile is computed straight from the
+//! weights (decode, [`direct`]) or from a panel unpacked once and reused for many
+//! tokens (prefill, [`panel`] then [`group`]). So decode and prefill agree bit for
+//! bit, and so do all thread counts (a tile is always computed whole by one thread).
+
+use super::act::Tok;
+use super::lanes::{Lanes, Tile};
+use super::seg::{Seg, SegBuf, units_per_segment};
+
+pub(crate) type Chunk<S> = [<S as Lanes>::I; 8];
+
+pub(crate) trait Kernel<S: Lanes> {
+    /// 32-element chunks per unit.
+    const CHUNKS: usize;
+    /// Bytes and elements per unit.
+    const UNIT_BYTES: usize;
+    const UNIT_ELEMS: usize;
+    type Head: Copy;
+    type Acc: Copy;
+
+    /// The unit at byte `off` of the segment: its per-row scales.
+    unsafe fn head(src: &Seg<S>, off: usize) -> Self::Head;
+    /// Chunk `c` of the unit at byte `off`: lane `i` of `[k]` holds row `i`'s codes
+    /// for four elements; which ones is the format's business, matched by `step`.
+    unsafe fn chunk(src: &Seg<S>, off: usize, c: usize, h: &Self::Head) -> Chunk<S>;
+    /// The integer accumulator for unit `u` of token `a`.
+    unsafe fn start(h: &Self::Head, a: &Tok, u: usize) -> Self::Acc;
+    unsafe fn step(w: &Chunk<S>, h: &Self::Head, a: &Tok, u: usize, c: usize, acc: Self::Acc) -> Self::Acc;
+    /// Adds unit `u`'s contribution to the running f32 result `f`.
+    unsafe fn finish(h: &Self::Head, a: &Tok, u: usize, acc: Self::Acc, f: S::F) -> S::F;
+}
+
+/// One token against a tile, unpacking as it goes: the decode path.
+///
+/// Software-pipelined: while segment `s` is computed (vpdpbusd and FMA work), segment
+/// `s + 1` is transposed into the other buffer a window or two per unit (shuffle work,
+/// other execution ports), and segment `s + 2` is prefetched, so that memory, shuffles
+/// and arithmetic all overlap. Sixteen rows are too many streams for the hardware
+/// prefetchers to run far enough ahead on their own.
+#[inline(always)]
+pub(crate) unsafe fn direct<S: Lanes, K: Kernel<S>>(t: &Tile, units: usize, tok: &Tok, out: *mut f32) {
+    unsafe {
+        let ub = K::UNIT_BYTES;
+        let per = units_per_segment::<S>(ub);
+        let mut bufs = [SegBuf::new(), SegBuf::new()];
+        let mut f = S::zero_f();
+        let seg_len = |u0: usize| per.min(units.saturating_sub(u0)) * ub;
+        Seg::<S>::fill(t, 0, seg_len(0), &mut bufs[0]);
+        let mut u0 = 0;
+        let mut cur = 0;
+        while u0 < units {
+            let n = per.min(units - u0);
+            let seg = Seg::<S>::view(&bufs[cur]);
+            let next_start = (u0 + n) * ub;
+            let next_windows = if u0 + n < units { Seg::<S>::windows(seg_len(u0 + n)) } else { 0 };
+            let after = next_start + seg_len(u0 + n);
+            let after_lines = seg_len(u0 + n + per).div_ceil(64);
+            // Spread the next segment's windows and the one after's prefetches over
+            // this segment's units (counters instead of divisions).
+            let (mut wdone, mut wacc, mut ldone, mut lacc) = (0, 0, 0, 0);
+            for k in 0..n {
+                wacc += next_windows;
+                while wacc >= n {
+                    Seg::<S>::fill_window(t, next_start, wdone, &mut bufs[1 - cur]);
+                    wdone += 1;
+                    wacc -= n;
+                }
+                lacc += after_lines;
+                while lacc >= n {
+                    for i in 0..S::N {
+                        S::prefetch(t.row(i).wrapping_add(after + 64 * ldone));
+                    }
+                    ldone += 1;
+                    lacc -= n;
+                }
+                let (u, off) = (u0 + k, k * ub);
+                let h = K::head(&seg, off);
+                let mut acc = K::start(&h, tok, u);
+                for c in 0..K::CHUNKS {
+                    let w = K::chunk(&seg, off, c, &h);
+                    acc = K::step(&w, &h, tok, u, c, acc);
+                }
+                f = K::finish(&h, tok, u, acc, f);
+            }
+            debug_assert_eq!(wdone, next_windows);
+            u0 += n;
+            cur = 1 - cur;
+        }
+        S::store(f, out, t.valid);
+    }
+}
+
+/// A tile unpacked once for many tokens: `units` heads, then `units * CHUNKS` chunks.
+pub(crate) struct Panel<S: Lanes, K: Kernel<S>> {
+    heads: *mut K::Head,
+    chunks: *mut Chunk<S>,
+    units: usize,
+}
+
+impl<S: Lanes, K: Kernel<S>> Panel<S, K> {
+    /// Bytes of scratch a panel of `units` needs (each part 64-byte aligned).
+    pub fn bytes(units: usize) -> usize {
+        round64(units * size_of::<K::Head>()) + units * K::CHUNKS * size_of::<Chunk<S>>()
+    }
+
+    /// Unpacks `t` into `scratch` (at least [`Panel::bytes`], 64-byte aligned).
+    #[inline(always)]
+    pub unsafe fn build(t: &Tile, units: usize, scratch: *mut u8) -> Self {
+        unsafe {
+            let heads = scratch as *mut K::Head;
+            let chunks = scratch.add(round64(units * size_of::<K::Head>())) as *mut Chunk<S>;
+            let per = units_per_segment::<S>(K::UNIT_BYTES);
+            let mut buf = SegBuf::new();
+            let mut u0 = 0;
+            while u0 < units {
+                let n = per.min(units - u0);
+                let seg = Seg::<S>::fill(t, u0 * K::UNIT_BYTES, n * K::UNIT_BYTES, &mut buf);
+                for k in 0..n {
+                    let (u, off) = (u0 + k, k * K::UNIT_BYTES);
+                    let h = K::head(&seg, off);
+                    heads.add(u).write(h);
+                    for c in 0..K::CHUNKS {
+                        chunks.add(u * K::CHUNKS + c).write(K::chunk(&seg, off, c, &h));
+                    }
+                }
+                u0 += n;
+            }
+            Panel { heads, chunks, units }
+        }
+    }
+
+    /// `C` tokens against the panel, each output stored to `outs[c][0..valid]`.
+    #[inline(always)]
+    pub unsafe fn group<const C: usize>(&self, toks: &[Tok; C], outs: [*mut f32; C], valid: usize) {
+        unsafe {
+            let mut f = [S::zero_f(); C];
+            for u in 0..self.units {
+                let h = &*self.heads.add(u);
+                let mut acc = [K::start(h, &toks[0], u); C];
+                for c in 1..C {
+                    acc[c] = K::start(h, &toks[c], u);
+                }
+                for ch in 0..K::CHUNKS {
+                    let w = &*self.chunks.add(u * K::CHUNKS + ch);
+                    for c in 0..C {
+                        acc[c] = K::step(w, h, &toks[c], u, ch, acc[c]);
+                    }
+                }
+                for c in 0..C {
+                    f[c] = K::finish(h, &toks[c], u, acc[c], f[c]);
+                }
+            }
+            for c in 0..C {
+                S::store(f[c], outs[c], valid);
+            }
+        }
+    }
+}
+
+fn round64(b: usize) -> usize {
+    b.div_ceil(64) * 64
+}

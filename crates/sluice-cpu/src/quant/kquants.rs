@@ -1,0 +1,276 @@
+//! Kernels for the K-quant super-blocks (256 elements): Q4_K, Q5_K, Q6_K.
+//!
+//! A super-block is one unit of eight 32-element chunks. The per-sub-block integer
+//! scales are applied in integers (`vpmulld`), so each output converts to f32 once per
+//! super-block:
+//!
+//! ```text
+//! Q4_K, Q5_K:  f = fma(cvt(sum_j sc_j * dot_j), d * d_x, f)
+//!              f = fma(cvt(sum_j m_j * xsum_j), -dmin * d_x, f)
+//! Q6_K:        f = fma(cvt(sum_g sc_g * (dot_g - 32 * xsum_g)), d * d_x, f)
+//! ```
+//!
+//! where `dot` is the dot product of the unsigned codes with the activation codes
+//! over a sub-block (32 elements for Q4_K/Q5_K, 16 for Q6_K) and `xsum` the sum of
+//! those activation codes (precomputed, `act.rs`).
+
+use super::act::Tok;
+use super::kernel::{Chunk, Kernel};
+use super::lanes::{Lanes, word};
+use super::seg::Seg;
+
+const LOW4: u32 = 0x0F0F_0F0F;
+
+/// A Q4_K / Q5_K super-block's per-row data.
+#[derive(Clone, Copy)]
+pub(crate) struct HeadK<S: Lanes> {
+    /// The eight sub-block scales (6 bits).
+    sc: [S::I; 8],
+    /// The eight mins as four pairs of 16-bit halves, matching the activation sums.
+    mins: [S::I; 4],
+    d: S::F,
+    neg_dmin: S::F,
+    /// Q5_K's fifth bits, `qh[4k..4k + 4]` in `[k]`.
+    qh: [S::I; 8],
+}
+
+/// Unpacks `d`, `dmin` and the 12 bytes of packed 6-bit scales and mins (the 16
+/// bytes at `off`), per `sluice_core::quant::k_scale_min`.
+#[inline(always)]
+unsafe fn head_k<S: Lanes>(src: &Seg<S>, off: usize) -> HeadK<S> {
+    unsafe {
+        let [dm, s0, s1, s2] = src.t4(off);
+        let m6 = S::splat(63);
+        let (m4, top) = (S::splat(0xF), S::splat(0x30));
+        let mut sc = [S::splat(0); 8];
+        let mut m = [S::splat(0); 8];
+        for j in 0..4u32 {
+            let sh = 8 * j;
+            sc[j as usize] = S::and(S::srl(s0, sh), m6);
+            m[j as usize] = S::and(S::srl(s1, sh), m6);
+            sc[j as usize + 4] = S::or(S::and(S::srl(s2, sh), m4), S::and(S::srl(s0, sh + 2), top));
+            m[j as usize + 4] = S::or(S::and(S::srl(s2, sh + 4), m4), S::and(S::srl(s1, sh + 2), top));
+        }
+        let mut mins = [m6; 4];
+        for (i, v) in mins.iter_mut().enumerate() {
+            *v = S::or(m[2 * i], S::slli::<16>(m[2 * i + 1]));
+        }
+        // Negating the half before converting is exact and saves a float op per token.
+        let neg_dmin = S::f16_lo(S::xor(S::srli::<16>(dm), S::splat(0x8000)));
+        HeadK { sc, mins, d: S::f16_lo(dm), neg_dmin, qh: [S::splat(0); 8] }
+    }
+}
+
+/// Chunk `c` of a Q4_K / Q5_K super-block covers 16 bytes of `qs` (`qs[16c..]`),
+/// part `c % 2` of sub-block pair `c / 2`: `[k]` (low nibbles) is elements
+/// `64p + 16hh + 4k..` of sub-block `2p`, `[4 + k]` (high) the same of sub-block `2p + 1`.
+#[inline(always)]
+unsafe fn chunk_k<S: Lanes, const Q5: bool>(src: &Seg<S>, qs_off: usize, c: usize, h: &HeadK<S>) -> Chunk<S> {
+    unsafe {
+        let raw = src.t4(qs_off + 16 * c);
+        let m = S::splat(LOW4);
+        let mut w: Chunk<S> = [m; 8];
+        for k in 0..4 {
+            w[k] = S::and(raw[k], m);
+            w[4 + k] = S::and(S::srli::<4>(raw[k]), m);
+        }
+        if Q5 {
+            let (p, hh) = (c / 2, c % 2);
+            let ones = S::splat(0x0101_0101);
+            for k in 0..4 {
+                let qh = h.qh[4 * hh + k];
+                w[k] = S::or(w[k], S::slli::<4>(S::and(S::srl(qh, 2 * p as u32), ones)));
+                w[4 + k] = S::or(w[4 + k], S::slli::<4>(S::and(S::srl(qh, 2 * p as u32 + 1), ones)));
+            }
+        }
+        w
+    }
+}
+
+/// Running sums of a Q4_K / Q5_K super-block: the scaled total, and the two
+/// sub-blocks of the current pair until both halves are in.
+type AccK<S> = [<S as Lanes>::I; 3];
+
+#[inline(always)]
+unsafe fn step_k<S: Lanes>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
+    unsafe {
+        let (p, hh) = (c / 2, c % 2);
+        let x = a.xq.add(256 * u + 64 * p + 16 * hh);
+        let [total, mut lo, mut hi] = acc;
+        if hh == 0 {
+            lo = S::splat(0);
+            hi = S::splat(0);
+        }
+        for k in 0..4 {
+            lo = S::dpbusd(lo, w[k], word(x.add(4 * k)));
+            hi = S::dpbusd(hi, w[4 + k], word(x.add(32 + 4 * k)));
+        }
+        if hh == 0 {
+            [total, lo, hi]
+        } else {
+            let s = S::add(S::mullo(lo, h.sc[2 * p]), S::mullo(hi, h.sc[2 * p + 1]));
+            [S::add(total, s), lo, hi]
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn finish_k<S: Lanes>(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>, f: S::F) -> S::F {
+    unsafe {
+        let dx = S::splat_f(*a.d.add(u));
+        let f = S::fma_f(S::cvt(acc[0]), S::mul_f(h.d, dx), f);
+        let mut mins = S::splat(0);
+        for i in 0..4 {
+            mins = S::madd16(mins, h.mins[i], *a.aux.add(4 * u + i) as u32);
+        }
+        S::fma_f(S::cvt(mins), S::mul_f(h.neg_dmin, dx), f)
+    }
+}
+
+pub(crate) struct Q4K;
+pub(crate) struct Q5K;
+pub(crate) struct Q6K;
+
+impl<S: Lanes> Kernel<S> for Q4K {
+    const CHUNKS: usize = 8;
+    const UNIT_BYTES: usize = 144;
+    const UNIT_ELEMS: usize = 256;
+    type Head = HeadK<S>;
+    type Acc = AccK<S>;
+    #[inline(always)]
+    unsafe fn head(src: &Seg<S>, off: usize) -> HeadK<S> {
+        unsafe { head_k::<S>(src, off) }
+    }
+    #[inline(always)]
+    unsafe fn chunk(src: &Seg<S>, off: usize, c: usize, h: &HeadK<S>) -> Chunk<S> {
+        unsafe { chunk_k::<S, false>(src, off + 16, c, h) }
+    }
+    #[inline(always)]
+    unsafe fn start(_: &HeadK<S>, _: &Tok, _: usize) -> AccK<S> {
+        unsafe { [S::splat(0); 3] }
+    }
+    #[inline(always)]
+    unsafe fn step(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
+        unsafe { step_k::<S>(w, h, a, u, c, acc) }
+    }
+    #[inline(always)]
+    unsafe fn finish(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>, f: S::F) -> S::F {
+        unsafe { finish_k::<S>(h, a, u, acc, f) }
+    }
+}
+
+impl<S: Lanes> Kernel<S> for Q5K {
+    const CHUNKS: usize = 8;
+    const UNIT_BYTES: usize = 176;
+    const UNIT_ELEMS: usize = 256;
+    type Head = HeadK<S>;
+    type Acc = AccK<S>;
+    #[inline(always)]
+    unsafe fn head(src: &Seg<S>, off: usize) -> HeadK<S> {
+        unsafe {
+            let mut h = head_k::<S>(src, off);
+            let (a, b) = (src.t4(off + 16), src.t4(off + 32));
+            h.qh = [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]];
+            h
+        }
+    }
+    #[inline(always)]
+    unsafe fn chunk(src: &Seg<S>, off: usize, c: usize, h: &HeadK<S>) -> Chunk<S> {
+        unsafe { chunk_k::<S, true>(src, off + 48, c, h) }
+    }
+    #[inline(always)]
+    unsafe fn start(_: &HeadK<S>, _: &Tok, _: usize) -> AccK<S> {
+        unsafe { [S::splat(0); 3] }
+    }
+    #[inline(always)]
+    unsafe fn step(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
+        unsafe { step_k::<S>(w, h, a, u, c, acc) }
+    }
+    #[inline(always)]
+    unsafe fn finish(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>, f: S::F) -> S::F {
+        unsafe { finish_k::<S>(h, a, u, acc, f) }
+    }
+}
+
+/// A Q6_K super-block's per-row data: sixteen signed 8-bit scales and `d`.
+#[derive(Clone, Copy)]
+pub(crate) struct Head6<S: Lanes> {
+    sc: [S::I; 16],
+    d: S::F,
+}
+
+/// Which elements chunk `c` of a Q6_K super-block holds: half `h = c / 4`, column
+/// strip `t = (c / 2) % 2` (`l` in `16t..16t + 16`) and row parity `odd = c % 2`;
+/// `[k]` is element `128h + 32s + 16t + 4k..` for `s = odd` (low nibbles) and
+/// `[4 + k]` the same for `s = odd + 2` (high nibbles).
+#[inline(always)]
+fn q6_chunk(c: usize) -> (usize, usize, usize) {
+    (c / 4, (c / 2) % 2, c % 2)
+}
+
+impl<S: Lanes> Kernel<S> for Q6K {
+    const CHUNKS: usize = 8;
+    const UNIT_BYTES: usize = 210;
+    const UNIT_ELEMS: usize = 256;
+    type Head = Head6<S>;
+    type Acc = S::I;
+    #[inline(always)]
+    unsafe fn head(src: &Seg<S>, off: usize) -> Head6<S> {
+        unsafe {
+            let s = src.t4(off + 192);
+            let mut sc = [S::splat(0); 16];
+            for k in 0..4 {
+                sc[4 * k] = S::srai::<24>(S::slli::<24>(s[k]));
+                sc[4 * k + 1] = S::srai::<24>(S::slli::<16>(s[k]));
+                sc[4 * k + 2] = S::srai::<24>(S::slli::<8>(s[k]));
+                sc[4 * k + 3] = S::srai::<24>(s[k]);
+            }
+            // d is the last two bytes; read the word ending there to stay in the block.
+            Head6 { sc, d: S::f16_lo(S::srli::<16>(src.word(off + 206))) }
+        }
+    }
+    #[inline(always)]
+    unsafe fn chunk(src: &Seg<S>, off: usize, c: usize, _: &Head6<S>) -> Chunk<S> {
+        unsafe {
+            let (h, tt, odd) = q6_chunk(c);
+            let ql = src.t4(off + 64 * h + 32 * odd + 16 * tt);
+            let qh = src.t4(off + 128 + 32 * h + 16 * tt);
+            let (m4, top) = (S::splat(LOW4), S::splat(0x3030_3030));
+            let mut w = [m4; 8];
+            for k in 0..4 {
+                let q = qh[k];
+                // Bits 2s..2s+2 of qh moved to bits 4..6, for s = odd and s = odd + 2.
+                let (hi_lo, hi_hi) = if odd == 0 { (S::slli::<4>(q), q) } else { (S::slli::<2>(q), S::srli::<2>(q)) };
+                w[k] = S::or(S::and(ql[k], m4), S::and(hi_lo, top));
+                w[4 + k] = S::or(S::and(S::srli::<4>(ql[k]), m4), S::and(hi_hi, top));
+            }
+            w
+        }
+    }
+    #[inline(always)]
+    unsafe fn start(_: &Head6<S>, _: &Tok, _: usize) -> S::I {
+        unsafe { S::splat(0) }
+    }
+    #[inline(always)]
+    unsafe fn step(w: &Chunk<S>, h: &Head6<S>, a: &Tok, u: usize, c: usize, acc: S::I) -> S::I {
+        unsafe {
+            let (hf, tt, odd) = q6_chunk(c);
+            let mut acc = acc;
+            for (half, s) in [odd, odd + 2].into_iter().enumerate() {
+                let g = 8 * hf + 2 * s + tt;
+                let x = a.xq.add(256 * u + 128 * hf + 32 * s + 16 * tt);
+                // The -32 offset of the codes, per 16-element group, from the activation side.
+                let mut sub = S::splat(*a.aux.add(16 * u + g) as u32);
+                for k in 0..4 {
+                    sub = S::dpbusd(sub, w[4 * half + k], word(x.add(4 * k)));
+                }
+                acc = S::add(acc, S::mullo(sub, h.sc[g]));
+            }
+            acc
+        }
+    }
+    #[inline(always)]
+    unsafe fn finish(h: &Head6<S>, a: &Tok, u: usize, acc: S::I, f: S::F) -> S::F {
+        unsafe { S::fma_f(S::cvt(acc), S::mul_f(h.d, S::splat_f(*a.d.add(u))), f) }
+    }
+}

@@ -1,0 +1,234 @@
+//! Matrix products on quantized weights, computed on the stored blocks.
+//!
+//! The activations are quantized once per matmul to 8-bit blocks matched to the
+//! weight format (`act.rs`). Weight rows are taken a tile at a time, one row per
+//! vector lane (`lanes.rs`); each format (`blocks32.rs`, `kquants.rs`) unpacks its
+//! blocks into unsigned 8-bit codes and per-row scales, and the products run as
+//! integer dot products (`vpdpbusd`) with one f32 fused multiply-add per output and
+//! block (`kernel.rs`). One token streams the weights straight through the kernel;
+//! several tokens share a panel unpacked once per tile.
+//!
+//! Every ISA computes the same integers and the same f32 operations in the same
+//! order, lane by lane, so results are bitwise identical across ISAs, thread counts,
+//! and decode versus prefill.
+
+mod act;
+mod blocks32;
+mod kernel;
+mod kquants;
+mod lanes;
+mod scalar;
+mod seg;
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::cell::Cell;
+use std::ops::Range;
+
+use sluice_core::{DType, MatRef};
+
+use crate::isa::{Isa, isa};
+use crate::par::{OutPtr, for_each_range};
+use act::{ActKind, QAct, Tok};
+use kernel::{Kernel, Panel, direct};
+use lanes::{Lanes, Tile};
+
+/// How a weight format asks for its activations.
+fn act_kind(dtype: DType) -> ActKind {
+    match dtype {
+        DType::Q8_0 => ActKind::B32 { off: 128, min: false },
+        DType::Q4_0 => ActKind::B32 { off: 8, min: false },
+        DType::Q5_0 => ActKind::B32 { off: 16, min: false },
+        DType::MXFP4 => ActKind::B32 { off: 12, min: false },
+        DType::Q4_1 | DType::Q5_1 => ActKind::B32 { off: 0, min: true },
+        DType::Q4K | DType::Q5K => ActKind::KMins,
+        DType::Q6K => ActKind::K6,
+        other => panic!("{other} is not a quantized format"),
+    }
+}
+
+/// What every task of one matmul shares.
+struct Job<'a> {
+    w: MatRef<'a>,
+    act: &'a QAct,
+    n: usize,
+    out: OutPtr,
+}
+
+/// Computes the rows of `tiles` (tile `i` is rows `i * lanes..`) for every token.
+type TilesFn = unsafe fn(&Job, Range<usize>);
+
+/// `out = x · Wᵀ` for a quantized `w`; see [`crate::matmul`].
+pub(crate) fn matmul(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32]) {
+    let act = QAct::new(act_kind(w.dtype), x, n, w.cols);
+    let (lanes, f) = kernel_for(isa(), w.dtype);
+    let job = Job { w, act: &act, n, out: OutPtr::new(out, w.rows) };
+    let tiles = w.rows.div_ceil(lanes);
+    // Work in units of "weight bytes times tokens", what the kernels' time follows.
+    let cost = w.data.len() * n.max(1);
+    for_each_range(tiles, cost, |r| unsafe { f(&job, r) });
+}
+
+/// The tile width and tile function for an ISA and format.
+fn kernel_for(isa: Isa, dtype: DType) -> (usize, TilesFn) {
+    macro_rules! pick {
+        ($wrap:ident, $s:ty) => {
+            match dtype {
+                DType::Q8_0 => (<$s>::N, $wrap::<blocks32::Q8_0> as TilesFn),
+                DType::Q4_0 => (<$s>::N, $wrap::<blocks32::Q4_0> as TilesFn),
+                DType::Q4_1 => (<$s>::N, $wrap::<blocks32::Q4_1> as TilesFn),
+                DType::Q5_0 => (<$s>::N, $wrap::<blocks32::Q5_0> as TilesFn),
+                DType::Q5_1 => (<$s>::N, $wrap::<blocks32::Q5_1> as TilesFn),
+                DType::MXFP4 => (<$s>::N, $wrap::<blocks32::Mxfp4> as TilesFn),
+                DType::Q4K => (<$s>::N, $wrap::<kquants::Q4K> as TilesFn),
+                DType::Q5K => (<$s>::N, $wrap::<kquants::Q5K> as TilesFn),
+                DType::Q6K => (<$s>::N, $wrap::<kquants::Q6K> as TilesFn),
+                other => panic!("{other} is not a quantized format"),
+            }
+        };
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => pick!(tiles_avx512, x86::Avx512),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if crate::isa::avx2_vnni() => pick!(tiles_avx2_vnni, x86::Avx2<true>),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => pick!(tiles_avx2, x86::Avx2<false>),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => pick!(tiles_neon, neon::Neon),
+        _ => pick!(tiles_scalar, scalar::Scalar),
+    }
+}
+
+// One entry point per ISA, compiled with its features; everything below it is
+// `#[inline(always)]` and so compiled with them too.
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tiles_avx512<K: Kernel<x86::Avx512>>(job: &Job, tiles: Range<usize>) {
+    unsafe { run_tiles::<x86::Avx512, K>(job, tiles) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn tiles_avx2_vnni<K: Kernel<x86::Avx2<true>>>(job: &Job, tiles: Range<usize>) {
+    unsafe { run_tiles::<x86::Avx2<true>, K>(job, tiles) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tiles_avx2<K: Kernel<x86::Avx2<false>>>(job: &Job, tiles: Range<usize>) {
+    unsafe { run_tiles::<x86::Avx2<false>, K>(job, tiles) }
+}
+
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn tiles_neon<K: Kernel<neon::Neon>>(job: &Job, tiles: Range<usize>) {
+    unsafe { run_tiles::<neon::Neon, K>(job, tiles) }
+}
+
+unsafe fn tiles_scalar<K: Kernel<scalar::Scalar>>(job: &Job, tiles: Range<usize>) {
+    unsafe { run_tiles::<scalar::Scalar, K>(job, tiles) }
+}
+
+/// Tokens per pass over a panel: as many accumulators as the registers hold.
+const GROUP: usize = 8;
+
+#[inline(always)]
+unsafe fn run_tiles<S: Lanes, K: Kernel<S>>(job: &Job, tiles: Range<usize>) {
+    let w = job.w;
+    let rb = w.row_bytes();
+    let units = w.cols / K::UNIT_ELEMS;
+    let rows = w.rows;
+
+    unsafe {
+        if job.n == 1 {
+            let tok = job.act.tok(0);
+            for i in tiles {
+                direct::<S, K>(&Tile::new(w.data, rb, rows, i * S::N, S::N), units, &tok, job.out.at(0, i * S::N));
+            }
+            return;
+        }
+        // Not a closure: closures do not inherit this function's target features.
+        let scratch = Scratch::take(Panel::<S, K>::bytes(units));
+        for i in tiles {
+            let t = Tile::new(w.data, rb, rows, i * S::N, S::N);
+            let panel = Panel::<S, K>::build(&t, units, scratch.ptr());
+            let mut c = 0;
+            while c < job.n {
+                let left = job.n - c;
+                // Largest group that fits, so any n is covered without dummy tokens.
+                c += if left >= GROUP {
+                    group::<S, K, GROUP>(&panel, job, c, i, t.valid)
+                } else if left >= 4 {
+                    group::<S, K, 4>(&panel, job, c, i, t.valid)
+                } else if left >= 2 {
+                    group::<S, K, 2>(&panel, job, c, i, t.valid)
+                } else {
+                    group::<S, K, 1>(&panel, job, c, i, t.valid)
+                };
+            }
+        }
+    }
+}
+
+/// Tokens `c0..c0 + C` against tile `i`'s panel; returns `C`.
+#[inline(always)]
+unsafe fn group<S: Lanes, K: Kernel<S>, const C: usize>(
+    panel: &Panel<S, K>,
+    job: &Job,
+    c0: usize,
+    i: usize,
+    valid: usize,
+) -> usize {
+    let toks: [Tok; C] = std::array::from_fn(|c| job.act.tok(c0 + c));
+    let outs = std::array::from_fn(|c| job.out.at(c0 + c, i * S::N));
+    unsafe { panel.group::<C>(&toks, outs, valid) };
+    C
+}
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u8; 64]);
+
+thread_local! {
+    /// Per-thread panel memory, reused across calls (a panel is tens to hundreds of KiB).
+    static SCRATCH: Cell<Vec<Line>> = const { Cell::new(Vec::new()) };
+}
+
+/// This thread's scratch memory, taken out of the thread-local while in use (so a
+/// nested call gets its own) and put back on drop.
+struct Scratch(Vec<Line>);
+
+impl Scratch {
+    fn take(bytes: usize) -> Scratch {
+        let mut buf = SCRATCH.take();
+        let lines = bytes.div_ceil(64);
+        if buf.len() < lines {
+            buf = vec![Line([0; 64]); lines];
+        }
+        Scratch(buf)
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        self.0.as_ptr() as *mut u8
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        SCRATCH.set(std::mem::take(&mut self.0));
+    }
+}
+
+/// Dot product of one quantized row with `x`, through the same kernels as
+/// [`matmul`] (bitwise equal to its output for that row).
+pub(crate) fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    let w = MatRef::new(dtype, 1, x.len(), row).expect("dot_row: row is not x.len() elements");
+    let mut out = [0f32];
+    matmul(w, x, 1, &mut out);
+    out[0]
+}

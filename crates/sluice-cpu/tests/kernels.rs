@@ -1,0 +1,285 @@
+//! Matmul kernels on every stored format and every ISA this CPU has.
+//!
+//! These tests switch the process-wide ISA (`set_isa`), so they live in their own
+//! test binary and take a lock around every switch.
+//!
+//! Tolerance. Quantized weights are multiplied with activations quantized to 8 bits
+//! per block (32 elements, or 256 for K-quants), each element off by at most half a
+//! step, `max|x_block| / 254`. So against the exact dot product of the dequantized
+//! weights with the original f32 activations (in f64), an output may be off by
+//!
+//! ```text
+//! sum over blocks b of (max|x_b| / 254) * sum_{i in b} |w_i|     (the 8-bit bound)
+//!   + 2e-6 * sum_i |w_i x_i| + 1e-6                              (f32 accumulation)
+//! ```
+//!
+//! which is a worst case, not a statistical guess, so the test cannot be flaky; the
+//! typical error is about 1/10 of it. Plain f32, f16 and bf16 weights use only the
+//! second line.
+
+mod common;
+
+use std::sync::Mutex;
+
+use common::{ALL, Rng, random_input, random_matrix};
+use sluice_core::quant::dequantize_row;
+use sluice_core::{DType, MatRef};
+use sluice_cpu::{Isa, dot_f32, dot_row, isa, matmul, row_to_f32, set_avx2_vnni, set_isa};
+
+static ISA_LOCK: Mutex<()> = Mutex::new(());
+
+/// Every kernel variant this CPU can run: an ISA, and for AVX2 with and without AVX-VNNI.
+fn variants() -> Vec<(Isa, bool)> {
+    let mut v = vec![];
+    for want in [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon] {
+        if set_isa(want) {
+            v.push((want, true));
+            if want == Isa::Avx2 {
+                v.push((want, false));
+            }
+        }
+    }
+    v
+}
+
+fn select((which, vnni): (Isa, bool)) {
+    assert!(set_isa(which));
+    set_avx2_vnni(vnni);
+}
+
+fn best() -> (Isa, bool) {
+    *variants().last().unwrap()
+}
+
+fn run(dtype: DType, bytes: &[u8], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
+    let w = MatRef::new(dtype, rows, cols, bytes).unwrap();
+    let mut out = vec![f32::NAN; n * rows];
+    matmul(w, x, n, &mut out);
+    out
+}
+
+/// The exact result (f64 over the dequantized weights and original activations) and
+/// the tolerance described at the top of this file, per output.
+fn reference(dtype: DType, bytes: &[u8], rows: usize, cols: usize, x: &[f32], n: usize) -> (Vec<f64>, Vec<f64>) {
+    let rb = bytes.len() / rows;
+    let blk = if dtype.is_quantized() { dtype.block_elems() } else { cols };
+    let mut want = vec![0f64; n * rows];
+    let mut tol = vec![0f64; n * rows];
+    let mut wrow = vec![0f32; cols];
+    for r in 0..rows {
+        dequantize_row(dtype, &bytes[r * rb..(r + 1) * rb], &mut wrow);
+        for t in 0..n {
+            let xr = &x[t * cols..(t + 1) * cols];
+            let exact: f64 = wrow.iter().zip(xr).map(|(&w, &x)| w as f64 * x as f64).sum();
+            let abs: f64 = wrow.iter().zip(xr).map(|(&w, &x)| (w as f64 * x as f64).abs()).sum();
+            let mut q8 = 0f64;
+            if dtype.is_quantized() {
+                for (wb, xb) in wrow.chunks(blk).zip(xr.chunks(blk)) {
+                    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                    q8 += amax / 254.0 * wb.iter().map(|w| w.abs() as f64).sum::<f64>();
+                }
+            }
+            want[t * rows + r] = exact;
+            tol[t * rows + r] = q8 * 1.001 + 2e-6 * abs + 1e-6;
+        }
+    }
+    (want, tol)
+}
+
+fn check_close(what: &str, got: &[f32], want: &[f64], tol: &[f64]) {
+    for (i, ((&g, &w), &t)) in got.iter().zip(want).zip(tol).enumerate() {
+        assert!((g as f64 - w).abs() <= t, "{what}: output {i}: {g} vs exact {w} (tolerance {t})");
+    }
+}
+
+fn assert_bitwise(what: &str, a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.to_bits(), y.to_bits(), "{what}: output {i}: {x} vs {y}");
+    }
+}
+
+fn shapes(dtype: DType) -> Vec<(usize, usize)> {
+    // Rows not a multiple of any tile (16, 8, 4), a single row, and whole tiles.
+    let rows = [1, 7, 37, 64];
+    let cols: &[usize] = match dtype.block_elems() {
+        256 => &[256, 768],
+        32 => &[32, 96, 544],
+        _ => &[1, 16, 33, 100],
+    };
+    rows.iter().flat_map(|&r| cols.iter().map(move |&c| (r, c))).collect()
+}
+
+/// Every format, every variant, odd shapes, n = 1, 3, 17: close to the exact result,
+/// and bitwise equal to the scalar kernels.
+#[test]
+fn all_formats_all_isas_match_reference() {
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng(1);
+    for dtype in ALL {
+        for (rows, cols) in shapes(dtype) {
+            let bytes = random_matrix(dtype, rows, cols, &mut rng);
+            for n in [1, 3, 17] {
+                let x = random_input(n, cols, &mut rng);
+                let (want, tol) = reference(dtype, &bytes, rows, cols, &x, n);
+                let mut first: Option<Vec<f32>> = None;
+                for v in variants() {
+                    select(v);
+                    let got = run(dtype, &bytes, rows, cols, &x, n);
+                    let what = format!("{dtype} {v:?} [{rows}x{cols}] n={n}");
+                    check_close(&what, &got, &want, &tol);
+                    match &first {
+                        None => first = Some(got),
+                        Some(f) => assert_bitwise(&format!("{what} vs scalar"), &got, f),
+                    }
+                }
+            }
+        }
+    }
+    select(best());
+}
+
+/// A prefill-sized batch (n = 128, several panel passes and a remainder group) gives
+/// bitwise the rows of one-token calls, on every variant.
+#[test]
+fn batch_equals_one_token_at_a_time() {
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng(2);
+    for dtype in ALL {
+        let (rows, cols) = (21, if dtype.block_elems() == 256 { 512 } else { 160 });
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        let n = 128;
+        let x = random_input(n, cols, &mut rng);
+        let (want, tol) = reference(dtype, &bytes, rows, cols, &x, n);
+        for v in variants() {
+            select(v);
+            let batch = run(dtype, &bytes, rows, cols, &x, n);
+            check_close(&format!("{dtype} {v:?} n={n}"), &batch, &want, &tol);
+            for t in [0, 1, 7, 8, 64, 120, 127] {
+                let one = run(dtype, &bytes, rows, cols, &x[t * cols..(t + 1) * cols], 1);
+                assert_bitwise(&format!("{dtype} {v:?} token {t}"), &batch[t * rows..(t + 1) * rows], &one);
+            }
+        }
+    }
+    select(best());
+}
+
+/// The same call in pools of 1, 2 and 3 threads gives bitwise the same output, for
+/// matrices big enough to be split.
+#[test]
+fn thread_count_does_not_change_results() {
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng(3);
+    for dtype in ALL {
+        let (rows, cols) = (389, 1024);
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        for n in [1, 5] {
+            let x = random_input(n, cols, &mut rng);
+            for v in variants() {
+                select(v);
+                let outs: Vec<Vec<f32>> = [1, 2, 3]
+                    .iter()
+                    .map(|&t| {
+                        let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap();
+                        pool.install(|| run(dtype, &bytes, rows, cols, &x, n))
+                    })
+                    .collect();
+                assert_bitwise(&format!("{dtype} {v:?} n={n}: 1 vs 2 threads"), &outs[0], &outs[1]);
+                assert_bitwise(&format!("{dtype} {v:?} n={n}: 1 vs 3 threads"), &outs[0], &outs[2]);
+            }
+        }
+    }
+    select(best());
+}
+
+/// `dot_row` on a quantized row is that row of `matmul`; on plain rows it is close
+/// to the f64 dot product.
+#[test]
+fn dot_row_all_formats() {
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng(4);
+    for dtype in ALL {
+        let cols = if dtype.block_elems() == 256 { 512 } else { 96 };
+        let bytes = random_matrix(dtype, 3, cols, &mut rng);
+        let x = random_input(1, cols, &mut rng);
+        let (want, tol) = reference(dtype, &bytes, 3, cols, &x, 1);
+        for v in variants() {
+            select(v);
+            let m = run(dtype, &bytes, 3, cols, &x, 1);
+            let rb = bytes.len() / 3;
+            for r in 0..3 {
+                let d = dot_row(dtype, &bytes[r * rb..(r + 1) * rb], &x);
+                let what = format!("{dtype} {v:?} row {r}");
+                let plain_tol = 1e-5 * (1.0 + want[r].abs());
+                assert!((d as f64 - want[r]).abs() <= tol[r].max(plain_tol), "{what}: {d} vs {}", want[r]);
+                if dtype.is_quantized() {
+                    assert_eq!(d.to_bits(), m[r].to_bits(), "{what}: dot_row vs matmul");
+                }
+            }
+        }
+    }
+    select(best());
+}
+
+/// `dot_f32` on every variant and on lengths that exercise the vector body and tail.
+#[test]
+fn dot_f32_all_isas() {
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    for n in [1, 7, 8, 31, 64, 100, 257] {
+        let a: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let b: Vec<f32> = (0..n).map(|i| ((i * 53 % 89) as f32 - 44.0) / 23.0).collect();
+        let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+        for v in variants() {
+            select(v);
+            let got = dot_f32(&a, &b) as f64;
+            assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "{v:?} n={n}: {got} vs {want}");
+        }
+    }
+    select(best());
+}
+
+/// `row_to_f32` is the reference dequantizer, bit for bit, whatever the ISA.
+#[test]
+fn row_to_f32_is_reference() {
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng(5);
+    for dtype in ALL {
+        let cols = 512;
+        let bytes = random_matrix(dtype, 2, cols, &mut rng);
+        let mut want = vec![0f32; cols];
+        dequantize_row(dtype, &bytes[..bytes.len() / 2], &mut want);
+        for v in variants() {
+            select(v);
+            let mut got = vec![0f32; cols];
+            row_to_f32(dtype, &bytes[..bytes.len() / 2], &mut got);
+            assert_bitwise(&format!("{dtype} {v:?}"), &got, &want);
+        }
+    }
+    select(best());
+    assert_eq!(isa(), best().0);
+}
+
+#[test]
+fn zz_debug_ratios() {
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    eprintln!("variants {:?}", variants());
+    let mut rng = Rng(9);
+    for dtype in ALL {
+        let (rows, cols, n) = (37, if dtype.block_elems() == 256 { 768 } else { 544 }, 17);
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        let x = random_input(n, cols, &mut rng);
+        let (want, tol) = reference(dtype, &bytes, rows, cols, &x, n);
+        for v in variants() {
+            select(v);
+            let got = run(dtype, &bytes, rows, cols, &x, n);
+            let r = got.iter().zip(&want).zip(&tol).map(|((&g, &w), &t)| (g as f64 - w).abs() / t).fold(0f64, f64::max);
+            let rel = got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0f64, f64::max)
+                / want.iter().map(|w| w.abs()).fold(0f64, f64::max);
+            eprintln!(
+                "{dtype} {v:?}: max err/tol {r:.3}  max err/max|ref| {rel:.2e}  sample {} vs {}",
+                got[5], want[5]
+            );
+        }
+    }
+    select(best());
+}

