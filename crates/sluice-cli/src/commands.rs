@@ -265,9 +265,10 @@ fn record_routing(e: &EngineArgs, model: &Model) -> Result<()> {
     }
 }
 
-/// The tokenizer of a model: from a GGUF file's metadata, or a Hugging Face folder's
-/// tokenizer.json.
+/// The tokenizer of a model: from a GGUF file's metadata (a packed folder's inner
+/// model.gguf), or a Hugging Face folder's tokenizer.json.
 fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
+    let path = &sluice_formats::pack::model_path(path);
     if path.is_file() { Tokenizer::from_gguf(&GgufFile::open(path)?) } else { Tokenizer::from_hf_dir(path) }
 }
 
@@ -507,43 +508,94 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-pub fn bench(a: BenchArgs) -> Result<()> {
-    if a.repeat == 0 || a.prompt_tokens == 0 {
-        return Err(Error::Usage("--repeat and --prompt-tokens must be at least 1".into()));
-    }
-    let threads = init_threads(a.engine.threads)?;
-    let (model, load_s) = load_model(&a.engine)?;
-    let vocab = model.spec.vocab_size as u64;
-    // A fixed pseudo-random prompt: the same tokens on every run and machine.
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let prompt: Vec<u32> = (0..a.prompt_tokens)
+/// A fixed pseudo-random prompt per run: the same tokens on every machine, but other
+/// tokens each run, so a streamed cache is not flattered by the previous run's routing.
+fn bench_prompt(vocab: usize, n: usize, run: usize) -> Vec<u32> {
+    let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (run as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (0..n)
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            (x % vocab) as u32
+            (x % vocab as u64) as u32
         })
-        .collect();
-    let mut prefill = Vec::new();
-    let mut decode = Vec::new();
+        .collect()
+}
+
+/// One bench run's figures.
+#[derive(serde::Serialize)]
+struct BenchRun {
+    prefill_tok_s: f64,
+    decode_tok_s: f64,
+    /// Expert bytes read from disk per decoded token (streamed residency).
+    decode_disk_bytes_per_token: f64,
+    /// Expert requests served from the cache during decode (streamed residency).
+    decode_hit_rate: Option<f64>,
+    decode_fetch_wait_s: f64,
+}
+
+pub fn bench(a: BenchArgs) -> Result<()> {
+    if a.repeat == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
+        return Err(Error::Usage("--repeat, --prompt-tokens and --gen-tokens must be at least 1".into()));
+    }
+    let threads = init_threads(a.engine.threads)?;
+    let (model, load_s) = load_model(&a.engine)?;
+    let vocab = model.spec.vocab_size;
+    let mut runs = Vec::new();
     let mut last = None;
-    for _ in 0..a.repeat {
+    for run in 0..a.repeat {
+        let prompt = bench_prompt(vocab, a.prompt_tokens, run);
         let mut s = model.session();
-        let mut sampler = Sampler::new(SamplerConfig { temperature: 0.0, ..Default::default() });
-        let st = s.generate(&prompt, a.gen_tokens, &[], &mut sampler, |_| Ok(true))?;
-        prefill.push(st.prefill_tok_s());
-        decode.push(st.decode_tok_s());
+        let t = Instant::now();
+        let mut logits = s.forward(&prompt, Logits::Last)?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let before = model.store.stats();
+        let t = Instant::now();
+        for _ in 0..a.gen_tokens {
+            let next = sluice_engine::sampler::argmax(&logits);
+            logits = s.forward(&[next], Logits::Last)?;
+        }
+        let decode_s = t.elapsed().as_secs_f64();
+        let after = model.store.stats();
+        let requests = after.requests - before.requests;
+        let served =
+            (after.hits + after.joined + after.prefetch_hits) - (before.hits + before.joined + before.prefetch_hits);
+        runs.push(BenchRun {
+            prefill_tok_s: a.prompt_tokens as f64 / prefill_s,
+            decode_tok_s: a.gen_tokens as f64 / decode_s,
+            decode_disk_bytes_per_token: (after.bytes_read - before.bytes_read) as f64 / a.gen_tokens as f64,
+            decode_hit_rate: (after.hit_rate.is_some() && requests > 0).then(|| served as f64 / requests as f64),
+            decode_fetch_wait_s: after.fetch_wait_s - before.fetch_wait_s,
+        });
         last = Some((PhaseMs::from(&s.timers), s.kv_bytes(), s.pilot.stats));
     }
     record_routing(&a.engine, &model)?;
     let (phases, kv, pilot) = last.expect("at least one run");
-    let p = median(&mut prefill);
-    let d = median(&mut decode);
+    let med = |f: fn(&BenchRun) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
+    let p = med(|r| r.prefill_tok_s);
+    let d = med(|r| r.decode_tok_s);
+    let disk_per_tok = med(|r| r.decode_disk_bytes_per_token);
+    let hit = runs.iter().all(|r| r.decode_hit_rate.is_some()).then(|| med(|r| r.decode_hit_rate.unwrap_or(0.0)));
     let rss = peak_rss_bytes();
     // Resident decode reads every weight byte once per token: memory bandwidth over
-    // bytes per token bounds it.
+    // bytes per token bounds it. Streamed decode also reads its cache misses from
+    // disk: disk bandwidth over the bytes missed per token bounds it.
     let bw = (!a.no_roofline).then(|| sluice_engine::stats::memory_read_bandwidth(1 << 30, 5));
     let roofline = bw.map(|bw| bw / model.bytes_per_token as f64);
+    let streamed = model.store.residency() == Residency::Streamed;
+    let disk = if streamed && !a.no_roofline {
+        let st = model.store.stats();
+        Some(sluice_experts::measure_expert_reads(
+            model.store.layout(),
+            st.read_threads,
+            st.chunk_bytes,
+            8,
+            std::time::Duration::from_secs(3),
+        )?)
+    } else {
+        None
+    };
+    let disk_roofline = disk.as_ref().filter(|_| disk_per_tok > 0.0).map(|b| b.bytes_per_s / disk_per_tok);
     if a.json {
         let j = json!({
             "model": a.engine.model,
@@ -556,30 +608,60 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "repeat": a.repeat,
             "prefill_tok_s": p,
             "decode_tok_s": d,
-            "prefill_tok_s_runs": prefill,
-            "decode_tok_s_runs": decode,
+            "runs": runs,
             "peak_rss_bytes": rss,
             "kv_cache_bytes": kv,
             "weight_bytes_per_token": model.bytes_per_token,
             "memory_read_bytes_per_s": bw,
             "roofline_decode_tok_s": roofline,
             "decode_fraction_of_roofline": roofline.map(|r| d / r),
+            "decode_disk_bytes_per_token": disk_per_tok,
+            "decode_hit_rate": hit,
+            "disk": disk,
+            "disk_roofline_decode_tok_s": disk_roofline,
+            "decode_fraction_of_disk_roofline": disk_roofline.map(|r| d / r),
             "phases_last_run": phases,
             "experts": expert_stats(&model, &pilot),
         });
         println!("{j}");
     } else {
-        println!("{}: {} threads ({:?})", a.engine.model.display(), threads, sluice_cpu::isa());
+        println!(
+            "{}: {} threads ({:?}), experts {}",
+            a.engine.model.display(),
+            threads,
+            sluice_cpu::isa(),
+            model.store.residency().name()
+        );
         println!("prompt  {:>6} tokens  {:>9.1} tok/s  (median of {})", a.prompt_tokens, p, a.repeat);
-        println!("decode  {:>6} tokens  {:>9.1} tok/s", a.gen_tokens, d);
+        println!("decode  {:>6} tokens  {:>9.2} tok/s", a.gen_tokens, d);
         if let (Some(bw), Some(r)) = (bw, roofline) {
             println!(
-                "roofline {:.1} tok/s = {:.2} GB/s read / {:.1} MB per token; decode is {:.0}% of it",
+                "memory roofline {:.1} tok/s = {:.2} GB/s read / {:.1} MB per token; decode is {:.0}% of it",
                 r,
                 bw / 1e9,
                 model.bytes_per_token as f64 / 1e6,
                 100.0 * d / r
             );
+        }
+        if let Some(h) = hit {
+            println!(
+                "expert cache hit rate {:.1}% in decode, {:.1} MB read from disk per token",
+                100.0 * h,
+                disk_per_tok / 1e6
+            );
+        }
+        if let (Some(b), Some(r)) = (&disk, disk_roofline) {
+            println!(
+                "disk roofline {:.2} tok/s = {:.2} GB/s{} / {:.1} MB per token; decode is {:.0}% of it",
+                r,
+                b.bytes_per_s / 1e9,
+                if b.direct { " (O_DIRECT)" } else { " (buffered!)" },
+                disk_per_tok / 1e6,
+                100.0 * d / r
+            );
+        }
+        if let Some(r) = pilot.recall() {
+            println!("pilot prefetch recall {:.1}%", 100.0 * r);
         }
         if let Some(r) = rss {
             println!("peak RSS {:.1} MiB", r as f64 / (1 << 20) as f64);
@@ -592,9 +674,8 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
     let ckpt = Checkpoint::open(&a.model)?;
     let spec = &ckpt.spec;
     let tensors = ckpt.tensors();
-    let is_expert = |name: &str| name.contains(".experts.");
     let total: u64 = tensors.iter().map(|t| t.len_bytes() as u64).sum();
-    let expert: u64 = tensors.iter().filter(|t| is_expert(&t.name)).map(|t| t.len_bytes() as u64).sum();
+    let expert = ExpertLayout::from_checkpoint(&ckpt)?.expert_bytes_total();
     let mut dtypes: Vec<(String, u64)> = Vec::new();
     for t in &tensors {
         let name = t.dtype.to_string();

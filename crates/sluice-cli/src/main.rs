@@ -1,6 +1,7 @@
 //! `sluice`: run Mixture-of-Experts language models larger than memory.
 
 mod commands;
+mod synth_pack;
 
 use std::process::ExitCode;
 
@@ -32,6 +33,10 @@ enum Command {
     Bench(commands::BenchArgs),
     /// Describe a model: architecture, tensors, quant types, resident and expert bytes
     Inspect(commands::InspectArgs),
+    /// Write a synthetic MoE checkpoint with a real model's geometry (random weights)
+    Synth(synth_pack::SynthArgs),
+    /// Write a model's experts in the packed layout: each expert one contiguous, aligned read
+    Pack(synth_pack::PackArgs),
 }
 
 /// Flags shared by every command that runs a model.
@@ -115,6 +120,8 @@ fn main() -> ExitCode {
         Command::Tokenize(a) => commands::tokenize(a),
         Command::Bench(a) => commands::bench(a),
         Command::Inspect(a) => commands::inspect(a),
+        Command::Synth(a) => synth_pack::synth(a),
+        Command::Pack(a) => synth_pack::pack(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

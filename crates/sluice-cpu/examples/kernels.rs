@@ -1,6 +1,7 @@
 //! Matmul kernel speed, per stored format, against the machine's own limits.
 //!
-//!     cargo run --release -p sluice-cpu --example kernels [-- --only Q4_K,Q6_K] [--bw 40]
+//!     cargo run --release -p sluice-cpu --example kernels -- [--only Q4_K,Q6_K] [--bw 40]
+//!         [--no-cold] [--no-hot] [--no-prefill] [--no-small]
 //!
 //! Per format, with 1 and 2 threads:
 //! - decode (n = 1) on 4096 x 4096, cycling through enough copies that they do not fit
@@ -9,9 +10,12 @@
 //! - decode on one 4096 x 4096 matrix repeated (cache-resident where it fits);
 //! - prefill (n = 128) on 4096 x 4096: GFLOP/s (2 * rows * cols * n per call).
 //!
-//! Then small-model shapes (SmolLM2-135M: 576 x 576 and 1536 x 576 / 576 x 1536, Q4_1):
-//! microseconds per decode call, and the per-call overhead, measured on a 16 x 32
-//! matrix whose arithmetic is negligible.
+//! Then small-model shapes (SmolLM2-135M: 576 x 576 and 1536 x 576 / 576 x 1536, Q4_1;
+//! Qwen2.5-1.5B: 896 x 1536 Q4_K and Q6_K): microseconds per decode call, and the
+//! per-call overhead, measured on a 16 x 32 matrix whose arithmetic is negligible.
+//!
+//! Times are the best of five trials, so that other processes on a shared machine
+//! disturb them less; run it on an idle machine all the same.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -140,9 +144,8 @@ fn main() {
         (DType::Q4_1, 576, 576),
         (DType::Q4_1, 1536, 576),
         (DType::Q4_1, 576, 1536),
-        (DType::Q8_0, 576, 576),
-        (DType::Q4K, 896, 1536),
-        (DType::Q6K, 896, 1536),
+        (DType::Q4K, 1536, 1536),
+        (DType::Q6K, 1536, 8960),
     ] {
         let bytes = random_matrix(dtype, rows, cols, &mut rng);
         let x = random_input(1, cols, &mut rng);
@@ -152,6 +155,64 @@ fn main() {
             let t = p.install(|| time(Duration::from_millis(300), || matmul(w, &x, 1, &mut out)));
             let shape = format!("{} {}x{}", dtype.name(), rows, cols);
             println!("{:<22} {:>3} | {:>8.2} | {:>8.1}", shape, ti + 1, t * 1e6, bytes.len() as f64 / t / 1e9);
+        }
+    }
+    if !has("--no-models") {
+        models(&pools, &mut rng);
+    }
+}
+
+/// One weight matrix of a model: format, rows (outputs), columns (inputs), how many.
+type Layer = (DType, usize, usize, usize);
+
+/// SmolLM2-135M-Instruct Q4_1 and Qwen2.5-Coder-1.5B-Instruct Q4_K_M, matrix by matrix
+/// as their GGUF files store them (LM head last).
+fn model_shapes() -> Vec<(&'static str, Vec<Layer>, Layer)> {
+    let q41 = DType::Q4_1;
+    let smol = vec![(q41, 576, 576, 60), (q41, 192, 576, 60), (q41, 1536, 576, 60), (q41, 576, 1536, 30)];
+    let (q4k, q6k) = (DType::Q4K, DType::Q6K);
+    let qwen = vec![
+        (q4k, 1536, 1536, 56),
+        (q4k, 256, 1536, 42),
+        (q6k, 256, 1536, 14),
+        (q4k, 8960, 1536, 56),
+        (q4k, 1536, 8960, 14),
+        (q6k, 1536, 8960, 14),
+    ];
+    vec![
+        ("SmolLM2-135M Q4_1", smol, (DType::Q8_0, 49152, 576, 1)),
+        ("Qwen2.5-Coder-1.5B Q4_K_M", qwen, (q6k, 151936, 1536, 1)),
+    ]
+}
+
+/// Matmul time alone per decoded token and per 128-token prompt, over every weight
+/// matrix of a real model (random values, real shapes and formats, each matrix in its
+/// own memory so decode streams the whole model as a forward pass does). The LM head
+/// runs on one token in both, as llama.cpp does for a prompt.
+fn models(pools: &[rayon::ThreadPool], rng: &mut Rng) {
+    println!("\nmodels, matmuls only (attention, norms etc. not included)");
+    println!("{:<27} {:>3} | {:>14} | {:>18}", "model", "thr", "decode tok/s", "prefill-128 tok/s");
+    for (name, layers, head) in model_shapes() {
+        let mut mats: Vec<(DType, usize, usize, Vec<u8>)> = vec![];
+        for &(dtype, rows, cols, count) in layers.iter().chain(std::iter::once(&head)) {
+            let one = random_matrix(dtype, rows, cols, rng);
+            mats.extend((0..count).map(|_| (dtype, rows, cols, one.clone())));
+        }
+        let maxc = mats.iter().map(|m| m.2.max(m.1)).max().unwrap();
+        let x = random_input(128, maxc, rng);
+        let mut out = vec![0f32; 128 * mats.iter().map(|m| m.1).max().unwrap()];
+        let last = mats.len() - 1;
+        let mut pass = |n: usize| {
+            for (i, (dtype, rows, cols, bytes)) in mats.iter().enumerate() {
+                let n = if i == last { 1 } else { n };
+                let w = MatRef::new(*dtype, *rows, *cols, bytes).unwrap();
+                matmul(w, &x[..n * cols], n, &mut out[..n * rows]);
+            }
+        };
+        for (ti, p) in pools.iter().enumerate() {
+            let dec = p.install(|| time(Duration::from_millis(1500), || pass(1)));
+            let pre = p.install(|| time(Duration::from_millis(3000), || pass(128)));
+            println!("{:<27} {:>3} | {:>14.0} | {:>18.0}", name, ti + 1, 1.0 / dec, 128.0 / pre);
         }
     }
 }

@@ -16,7 +16,7 @@ pub enum Isa {
 }
 
 static ISA: AtomicU8 = AtomicU8::new(0);
-/// 0: not decided, 1: use AVX-VNNI on the AVX2 path when present, 2: never.
+/// 0 or 1: use AVX-VNNI on the AVX2 path when present; 2: never.
 static AVX2_VNNI: AtomicU8 = AtomicU8::new(0);
 
 pub(crate) fn detect() -> Isa {
@@ -95,17 +95,11 @@ pub fn set_isa(want: Isa) -> bool {
 /// Whether the AVX2 kernels may use AVX-VNNI (`vpdpbusd` on 256-bit vectors). They
 /// do when the CPU has it, unless a test turned it off with [`set_avx2_vnni`] to
 /// exercise the `vpmaddubsw` path; both give bitwise the same results.
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn avx2_vnni() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        match AVX2_VNNI.load(Ordering::Relaxed) {
-            2 => false,
-            _ => std::is_x86_feature_detected!("avxvnni"),
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+    match AVX2_VNNI.load(Ordering::Relaxed) {
+        2 => false,
+        _ => std::is_x86_feature_detected!("avxvnni"),
     }
 }
 

@@ -72,11 +72,12 @@ unsafe fn tile<S: V16, const E: u8, const R: usize, const C: usize>(
         let mut acc = [[S::zero(); C]; R];
         let full = cols / 16;
         for i in 0..full {
-            let xs: [S::V; C] = std::array::from_fn(|c| S::load_x(xp[c].add(16 * i)));
+            // Activations are read as they are used (FMA memory operands on x86), so
+            // only the accumulators and one weight vector live in registers.
             for r in 0..R {
                 let wv = S::load_w::<E>(wp[r].add(16 * i * es));
                 for c in 0..C {
-                    acc[r][c] = S::fma(wv, xs[c], acc[r][c]);
+                    acc[r][c] = S::fma(wv, S::load_x(xp[c].add(16 * i)), acc[r][c]);
                 }
             }
         }
@@ -98,9 +99,9 @@ unsafe fn tile<S: V16, const E: u8, const R: usize, const C: usize>(
                 }
             }
         }
-        for r in 0..R {
-            for c in 0..C {
-                *out.at(tok0 + c, row0 + r) = S::hsum(acc[r][c]);
+        for (r, row) in acc.iter().enumerate() {
+            for (c, &a) in row.iter().enumerate() {
+                *out.at(tok0 + c, row0 + r) = S::hsum(a);
             }
         }
     }
@@ -161,7 +162,8 @@ type RowsFn = unsafe fn(&MatRef, &[f32], usize, Range<usize>, OutPtr);
 pub(crate) fn matmul(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32]) {
     let f = rows_fn(isa(), w.dtype);
     let out = OutPtr::new(out, w.rows);
-    // Tasks take whole groups of 16 rows (any tile shape divides that).
+    // Tasks take contiguous runs of 16-row groups; rows left over at the end of a
+    // run after the register tiles go one at a time.
     let groups = w.rows.div_ceil(16);
     let cost = w.data.len() * n;
     for_each_range(groups, cost, |g| {
@@ -195,13 +197,13 @@ fn rows_fn(isa: Isa, dtype: DType) -> RowsFn {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn rows_avx512<const E: u8>(w: &MatRef, x: &[f32], n: usize, rows: Range<usize>, out: OutPtr) {
-    unsafe { run::<x86::Avx512, E, 8, 4, 4>(w, x, n, rows, out) }
+    unsafe { run::<x86::Avx512, E, 8, 6, 2>(w, x, n, rows, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_avx2<const E: u8>(w: &MatRef, x: &[f32], n: usize, rows: Range<usize>, out: OutPtr) {
-    unsafe { run::<x86::Avx2, E, 4, 2, 2>(w, x, n, rows, out) }
+    unsafe { run::<x86::Avx2, E, 4, 3, 2>(w, x, n, rows, out) }
 }
 
 #[cfg(target_arch = "aarch64")]

@@ -223,25 +223,35 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
-/// softmax over the router logits of each token, top-k, optionally renormalised,
-/// optionally times a per-expert scale (Gemma 4).
-pub fn route(
-    logits: &[f32],
-    n_experts: usize,
-    top_k: usize,
-    renormalize: bool,
-    expert_scale: Option<&[f32]>,
-) -> Routing {
+/// What turns router logits into a routing.
+pub struct RouterParams<'a> {
+    pub n_experts: usize,
+    pub top_k: usize,
+    /// Renormalise the top-k probabilities to sum to one.
+    pub renormalize: bool,
+    /// Added to the logits before the softmax.
+    pub bias: Option<&'a [f32]>,
+    /// Multiplies each chosen expert's weight (Gemma 4).
+    pub expert_scale: Option<&'a [f32]>,
+}
+
+/// softmax over the router logits of each token (plus an optional bias), top-k,
+/// optionally renormalised, optionally times a per-expert scale.
+pub fn route(logits: &[f32], p: &RouterParams<'_>) -> Routing {
+    let (n_experts, top_k) = (p.n_experts, p.top_k);
     let n = logits.len() / n_experts;
     let mut r = Routing { top_k, ids: Vec::with_capacity(n * top_k), weights: Vec::with_capacity(n * top_k) };
     for row in logits.chunks(n_experts) {
-        let mut p = row.to_vec();
-        sluice_cpu::ops::softmax(&mut p);
-        let ids = sluice_cpu::ops::top_k(&p, top_k);
-        let sum: f32 = ids.iter().map(|&i| p[i]).sum();
+        let mut prob = row.to_vec();
+        if let Some(b) = p.bias {
+            prob.iter_mut().zip(b).for_each(|(l, b)| *l += b);
+        }
+        sluice_cpu::ops::softmax(&mut prob);
+        let ids = sluice_cpu::ops::top_k(&prob, top_k);
+        let sum: f32 = ids.iter().map(|&i| prob[i]).sum();
         for &i in &ids {
-            let mut w = if renormalize { p[i] / sum } else { p[i] };
-            if let Some(s) = expert_scale {
+            let mut w = if p.renormalize { prob[i] / sum } else { prob[i] };
+            if let Some(s) = p.expert_scale {
                 w *= s[i];
             }
             r.ids.push(i);

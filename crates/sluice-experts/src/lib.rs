@@ -12,6 +12,7 @@
 //!   (O_DIRECT where the filesystem allows), split into chunks.
 
 mod cache;
+mod disk;
 mod histogram;
 mod io;
 mod layout;
@@ -30,6 +31,7 @@ use crate::io::{AlignedBuf, DirectStatus, FileHandle};
 use crate::layout::MatLayout;
 use crate::pool::{IoCounters, Load, LoadReq, ReadPool, Reader, Target};
 
+pub use crate::disk::{DiskBench, measure_expert_reads};
 pub use crate::histogram::RoutingHistogram;
 pub use crate::io::ALIGN;
 pub use crate::layout::{CacheBudget, ExpertLayout, LayerExperts, human_bytes};

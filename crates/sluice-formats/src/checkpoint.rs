@@ -8,6 +8,7 @@ use sluice_core::{Error, Family, ModelSpec, MoeSpec, Result};
 use crate::gguf::{GgufFile, has_gguf_magic};
 use crate::mapped::TensorView;
 use crate::names::{TensorId, TensorKind, gguf_name, hf_name};
+use crate::pack::{self, PackInfo};
 use crate::{gguf_config, hf_config, safetensors};
 
 pub struct Checkpoint {
@@ -15,6 +16,8 @@ pub struct Checkpoint {
     pub spec: ModelSpec,
     source: Source,
     tensors: HashMap<String, TensorView>,
+    /// Set for a packed folder, whose experts come from `experts.bin`.
+    packed: Option<PackInfo>,
 }
 
 /// Where the tensors come from, which decides what they are called.
@@ -42,11 +45,15 @@ impl ExpertMats {
 }
 
 impl Checkpoint {
-    /// Opens a Hugging Face model folder (config.json + safetensors) or a GGUF file
-    /// (recognised by its magic, whatever its name).
+    /// Opens a Hugging Face model folder (config.json + safetensors), a packed folder
+    /// (recognised by its `sluice-pack.json`) or a GGUF file (recognised by its magic,
+    /// whatever its name).
     pub fn open(path: &Path) -> Result<Checkpoint> {
         let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
         if meta.is_dir() {
+            if path.join(pack::MANIFEST).exists() {
+                return Self::open_packed(path);
+            }
             return Self::open_hf(path);
         }
         if has_gguf_magic(path)? {
@@ -68,7 +75,7 @@ impl Checkpoint {
         let file = GgufFile::open(path)?;
         let spec = gguf_config::read(&file)?;
         let tensors = file.tensors().iter().map(|t| (t.name.clone(), t.clone())).collect();
-        Ok(Checkpoint { path: path.to_path_buf(), spec, source: Source::Gguf(file), tensors })
+        Ok(Checkpoint { path: path.to_path_buf(), spec, source: Source::Gguf(file), tensors, packed: None })
     }
 
     /// Opens a Hugging Face model folder.
@@ -94,7 +101,41 @@ impl Checkpoint {
         if !tensors.contains_key("lm_head.weight") {
             spec.tie_word_embeddings = true;
         }
-        Ok(Checkpoint { path: path.to_path_buf(), spec, source: Source::Hf { prefix }, tensors })
+        Ok(Checkpoint { path: path.to_path_buf(), spec, source: Source::Hf { prefix }, tensors, packed: None })
+    }
+
+    /// Opens a folder written by `sluice pack`: the inner model (`model.gguf`, or the
+    /// folder's own config and `model.safetensors`) for the spec and the resident tensors,
+    /// and `experts.bin` for the routed experts, which appear under their per-expert ids.
+    /// The manifest is checked against `experts.bin`'s size and the spec first.
+    pub fn open_packed(dir: &Path) -> Result<Checkpoint> {
+        let manifest = pack::Manifest::load(dir)?;
+        let mut ckpt = if manifest.model == pack::MODEL_GGUF {
+            Self::open_gguf(&dir.join(pack::MODEL_GGUF))?
+        } else {
+            Self::open_hf(dir)?
+        };
+        ckpt.path = dir.to_path_buf();
+        let (experts, info) = pack::attach(dir, &manifest, &ckpt)?;
+        for (id, view) in experts {
+            let name = ckpt.name(id);
+            if ckpt.tensors.insert(name.clone(), view).is_some() {
+                return Err(Error::format(
+                    &ckpt.path,
+                    format!("tensor '{name}' is both in the inner model and in {}", pack::EXPERTS_FILE),
+                ));
+            }
+        }
+        if let Some(d) = manifest.weight_dtype.as_deref().and_then(pack::dtype_from_name) {
+            ckpt.spec.weight_dtype = Some(d);
+        }
+        ckpt.packed = Some(info);
+        Ok(ckpt)
+    }
+
+    /// Set when this is a packed folder.
+    pub fn packed(&self) -> Option<&PackInfo> {
+        self.packed.as_ref()
     }
 
     /// The GGUF file this checkpoint was read from, if it was one (its metadata holds

@@ -264,11 +264,16 @@ pub fn read(g: &GgufFile) -> Result<ModelSpec> {
 /// The most common type among the file's matrices (ties to the one holding more
 /// elements): Q4_1 for a Q4_1 file whose embedding is Q8_0, say.
 fn dominant_matrix_type(g: &GgufFile) -> Option<DType> {
+    dominant_type(g.tensors().iter().map(|t| (t.dtype, t.shape.as_slice())))
+}
+
+/// [`dominant_matrix_type`] over `(type, shape)` pairs (a file about to be written).
+pub(crate) fn dominant_type<'a>(tensors: impl Iterator<Item = (DType, &'a [usize])>) -> Option<DType> {
     let mut counts: HashMap<DType, (usize, usize)> = HashMap::new();
-    for t in g.tensors().iter().filter(|t| t.shape.len() >= 2) {
-        let c = counts.entry(t.dtype).or_default();
+    for (dtype, shape) in tensors.filter(|(_, s)| s.len() >= 2) {
+        let c = counts.entry(dtype).or_default();
         c.0 += 1;
-        c.1 += t.numel();
+        c.1 += shape.iter().product::<usize>();
     }
     counts.into_iter().max_by_key(|&(d, c)| (c, d.name())).map(|(d, _)| d)
 }

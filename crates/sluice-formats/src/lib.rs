@@ -1,6 +1,7 @@
-//! Reading model files in place: Hugging Face folders (config.json + safetensors) and
-//! GGUF files, with the packed layout next. Everything here is checked against the
-//! file's own header before a byte of tensor data is touched.
+//! Reading model files in place: Hugging Face folders (config.json + safetensors), GGUF
+//! files and packed folders (`pack`). Everything here is checked against the file's own
+//! header before a byte of tensor data is touched. `synth` writes synthetic checkpoints
+//! with a real model's geometry.
 
 pub mod checkpoint;
 pub mod gguf;
@@ -9,7 +10,9 @@ pub mod gguf_write;
 pub mod hf_config;
 pub mod mapped;
 pub mod names;
+pub mod pack;
 pub mod safetensors;
+pub mod synth;
 
 pub use checkpoint::{Checkpoint, ExpertMats};
 pub use gguf::{GgufFile, GgufValue};

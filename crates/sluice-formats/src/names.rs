@@ -40,6 +40,9 @@ pub enum TensorKind {
     FfnPostNorm2,
     /// Router projection `[n_experts, hidden]`.
     Router,
+    /// Router bias `[n_experts]`, added to the router logits (gpt-oss; synthetic
+    /// checkpoints use it to give experts a popularity skew).
+    RouterBias,
     RouterScale,
     RouterExpertScale,
     /// Experts fused in one 3-D tensor `[E, 2I, H]` (gate rows, then up rows).
@@ -116,6 +119,8 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
         FfnPostNorm2 => "post_feedforward_layernorm_2.weight".into(),
         Router if gemma => "router.proj.weight".into(),
         Router => "mlp.gate.weight".into(),
+        RouterBias if gemma => "router.proj.bias".into(),
+        RouterBias => "mlp.gate.bias".into(),
         RouterScale => "router.scale".into(),
         RouterExpertScale => "router.per_expert_scale".into(),
         ExpsGateUp => format!("{moe}experts.gate_up_proj"),
@@ -173,6 +178,7 @@ pub fn gguf_name(id: TensorId) -> String {
         FfnPreNorm2 => "pre_ffw_norm_2.weight".into(),
         FfnPostNorm2 => "post_ffw_norm_2.weight".into(),
         Router => "ffn_gate_inp.weight".into(),
+        RouterBias => "ffn_gate_inp.bias".into(),
         // Gemma 4: the converter stores router.scale and router.per_expert_scale as
         // `.scale` companions of the router and of the down experts.
         RouterScale => "ffn_gate_inp.scale".into(),

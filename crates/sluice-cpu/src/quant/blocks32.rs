@@ -8,7 +8,7 @@
 //!
 //! ```text
 //! f = fma(cvt(sum(c * x) + aux), d_w * d_x, f)      then, for Q4_1 and Q5_1,
-//! f = fma(m_w, d_x * sum(x), f)
+//! f = fma(m_w, d_x * sum(q), f)
 //! ```
 
 use sluice_core::quant::MXFP4_VALUES;
@@ -49,7 +49,7 @@ unsafe fn dot<S: Lanes, const FULL: bool>(w: &Chunk<S>, xq: *const i8, acc: S::I
     }
 }
 
-/// Splits 16 bytes of nibbles (`t`, as from `load_t4`) into codes 0..16.
+/// Splits 16 bytes of nibbles (`t`, as from `Seg::t4`) into codes 0..16.
 #[inline(always)]
 unsafe fn nibbles<S: Lanes>(t: [S::I; 4]) -> Chunk<S> {
     unsafe {
@@ -77,7 +77,7 @@ unsafe fn fifth_bit<S: Lanes>(w: Chunk<S>, qh: S::I) -> Chunk<S> {
 }
 
 #[inline(always)]
-unsafe fn finish32<S: Lanes, const MIN: bool>(h: &Head32<S>, a: &Tok, u: usize, acc: S::I, f: S::F) -> S::F {
+unsafe fn finish32<S: Lanes, const MIN: bool>(h: &Head32<S>, a: &Tok, u: usize, (acc, f): Acc32<S>) -> S::F {
     unsafe {
         let dx = *a.d.add(u);
         let f = S::fma_f(S::cvt(acc), S::mul_f(h.d, S::splat_f(dx)), f);
@@ -85,13 +85,16 @@ unsafe fn finish32<S: Lanes, const MIN: bool>(h: &Head32<S>, a: &Tok, u: usize, 
     }
 }
 
+/// A block's integer sum and the running result it will be added to.
+type Acc32<S> = (<S as Lanes>::I, <S as Lanes>::F);
+
 macro_rules! block32_common {
     ($bytes:expr) => {
         const CHUNKS: usize = 1;
         const UNIT_BYTES: usize = $bytes;
         const UNIT_ELEMS: usize = 32;
         type Head = Head32<S>;
-        type Acc = S::I;
+        type Acc = Acc32<S>;
     };
 }
 
@@ -123,16 +126,16 @@ impl<S: Lanes> Kernel<S> for Q8_0 {
         }
     }
     #[inline(always)]
-    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize) -> S::I {
-        unsafe { S::splat(*a.aux.add(u) as u32) }
+    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize, f: S::F) -> Acc32<S> {
+        unsafe { (S::splat(*a.aux.add(u) as u32), f) }
     }
     #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, acc: S::I) -> S::I {
-        unsafe { dot::<S, true>(w, a.xq.add(32 * u), acc) }
+    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
+        unsafe { (dot::<S, true>(w, a.xq.add(32 * u), i), f) }
     }
     #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: S::I, f: S::F) -> S::F {
-        unsafe { finish32::<S, false>(h, a, u, acc, f) }
+    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
+        unsafe { finish32::<S, false>(h, a, u, acc) }
     }
 }
 
@@ -147,16 +150,16 @@ impl<S: Lanes> Kernel<S> for Q4_0 {
         unsafe { nibbles::<S>(src.t4(off + 2)) }
     }
     #[inline(always)]
-    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize) -> S::I {
-        unsafe { S::splat(*a.aux.add(u) as u32) }
+    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize, f: S::F) -> Acc32<S> {
+        unsafe { (S::splat(*a.aux.add(u) as u32), f) }
     }
     #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, acc: S::I) -> S::I {
-        unsafe { dot::<S, false>(w, a.xq.add(32 * u), acc) }
+    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
+        unsafe { (dot::<S, false>(w, a.xq.add(32 * u), i), f) }
     }
     #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: S::I, f: S::F) -> S::F {
-        unsafe { finish32::<S, false>(h, a, u, acc, f) }
+    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
+        unsafe { finish32::<S, false>(h, a, u, acc) }
     }
 }
 
@@ -174,16 +177,16 @@ impl<S: Lanes> Kernel<S> for Q4_1 {
         unsafe { nibbles::<S>(src.t4(off + 4)) }
     }
     #[inline(always)]
-    unsafe fn start(_: &Head32<S>, _: &Tok, _: usize) -> S::I {
-        unsafe { S::splat(0) }
+    unsafe fn start(_: &Head32<S>, _: &Tok, _: usize, f: S::F) -> Acc32<S> {
+        unsafe { (S::splat(0), f) }
     }
     #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, acc: S::I) -> S::I {
-        unsafe { dot::<S, false>(w, a.xq.add(32 * u), acc) }
+    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
+        unsafe { (dot::<S, false>(w, a.xq.add(32 * u), i), f) }
     }
     #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: S::I, f: S::F) -> S::F {
-        unsafe { finish32::<S, true>(h, a, u, acc, f) }
+    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
+        unsafe { finish32::<S, true>(h, a, u, acc) }
     }
 }
 
@@ -198,16 +201,16 @@ impl<S: Lanes> Kernel<S> for Q5_0 {
         unsafe { fifth_bit::<S>(nibbles::<S>(src.t4(off + 6)), h.qh) }
     }
     #[inline(always)]
-    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize) -> S::I {
-        unsafe { S::splat(*a.aux.add(u) as u32) }
+    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize, f: S::F) -> Acc32<S> {
+        unsafe { (S::splat(*a.aux.add(u) as u32), f) }
     }
     #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, acc: S::I) -> S::I {
-        unsafe { dot::<S, false>(w, a.xq.add(32 * u), acc) }
+    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
+        unsafe { (dot::<S, false>(w, a.xq.add(32 * u), i), f) }
     }
     #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: S::I, f: S::F) -> S::F {
-        unsafe { finish32::<S, false>(h, a, u, acc, f) }
+    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
+        unsafe { finish32::<S, false>(h, a, u, acc) }
     }
 }
 
@@ -225,16 +228,16 @@ impl<S: Lanes> Kernel<S> for Q5_1 {
         unsafe { fifth_bit::<S>(nibbles::<S>(src.t4(off + 8)), h.qh) }
     }
     #[inline(always)]
-    unsafe fn start(_: &Head32<S>, _: &Tok, _: usize) -> S::I {
-        unsafe { S::splat(0) }
+    unsafe fn start(_: &Head32<S>, _: &Tok, _: usize, f: S::F) -> Acc32<S> {
+        unsafe { (S::splat(0), f) }
     }
     #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, acc: S::I) -> S::I {
-        unsafe { dot::<S, false>(w, a.xq.add(32 * u), acc) }
+    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
+        unsafe { (dot::<S, false>(w, a.xq.add(32 * u), i), f) }
     }
     #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: S::I, f: S::F) -> S::F {
-        unsafe { finish32::<S, true>(h, a, u, acc, f) }
+    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
+        unsafe { finish32::<S, true>(h, a, u, acc) }
     }
 }
 
@@ -283,15 +286,15 @@ impl<S: Lanes> Kernel<S> for Mxfp4 {
         }
     }
     #[inline(always)]
-    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize) -> S::I {
-        unsafe { S::splat(*a.aux.add(u) as u32) }
+    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize, f: S::F) -> Acc32<S> {
+        unsafe { (S::splat(*a.aux.add(u) as u32), f) }
     }
     #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, acc: S::I) -> S::I {
-        unsafe { dot::<S, false>(w, a.xq.add(32 * u), acc) }
+    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
+        unsafe { (dot::<S, false>(w, a.xq.add(32 * u), i), f) }
     }
     #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: S::I, f: S::F) -> S::F {
-        unsafe { finish32::<S, false>(h, a, u, acc, f) }
+    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
+        unsafe { finish32::<S, false>(h, a, u, acc) }
     }
 }

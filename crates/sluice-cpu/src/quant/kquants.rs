@@ -1,18 +1,18 @@
 //! Kernels for the K-quant super-blocks (256 elements): Q4_K, Q5_K, Q6_K.
 //!
-//! A super-block is one unit of eight 32-element chunks. The per-sub-block integer
-//! scales are applied in integers (`vpmulld`), so each output converts to f32 once per
-//! super-block:
+//! A super-block is one unit of eight 32-element chunks. Activations carry a scale
+//! per 32 elements (see `act.rs` for why not per 256), so each sub-block's integer
+//! dot product is scaled in f32, by `d * sc_j` (per row; exact in f32) times `d_x`
+//! of its activation block:
 //!
 //! ```text
-//! Q4_K, Q5_K:  f = fma(cvt(sum_j sc_j * dot_j), d * d_x, f)
-//!              f = fma(cvt(sum_j m_j * xsum_j), -dmin * d_x, f)
-//! Q6_K:        f = fma(cvt(sum_g sc_g * (dot_g - 32 * xsum_g)), d * d_x, f)
+//! Q4_K, Q5_K:  f = fma(cvt(dot_j), (d * sc_j) * d_x, f)         for each 32-element j
+//!              f = fma(sum_j m_j * (d_x * xsum)_j, -dmin, f)    once per super-block
+//! Q6_K:        f = fma(cvt(dot_g - 32 * xsum_g), (d * sc_g) * d_x, f)   for each 16 g
 //! ```
 //!
 //! where `dot` is the dot product of the unsigned codes with the activation codes
-//! over a sub-block (32 elements for Q4_K/Q5_K, 16 for Q6_K) and `xsum` the sum of
-//! those activation codes (precomputed, `act.rs`).
+//! and `xsum` the sum of those activation codes (precomputed, `act.rs`).
 
 use super::act::Tok;
 use super::kernel::{Chunk, Kernel};
@@ -24,11 +24,10 @@ const LOW4: u32 = 0x0F0F_0F0F;
 /// A Q4_K / Q5_K super-block's per-row data.
 #[derive(Clone, Copy)]
 pub(crate) struct HeadK<S: Lanes> {
-    /// The eight sub-block scales (6 bits).
-    sc: [S::I; 8],
-    /// The eight mins as four pairs of 16-bit halves, matching the activation sums.
-    mins: [S::I; 4],
-    d: S::F,
+    /// `d * sc_j` for the eight sub-blocks.
+    dsc: [S::F; 8],
+    /// The eight mins `m_j`.
+    mins: [S::F; 8],
     neg_dmin: S::F,
     /// Q5_K's fifth bits, `qh[4k..4k + 4]` in `[k]`.
     qh: [S::I; 8],
@@ -42,22 +41,24 @@ unsafe fn head_k<S: Lanes>(src: &Seg<S>, off: usize) -> HeadK<S> {
         let [dm, s0, s1, s2] = src.t4(off);
         let m6 = S::splat(63);
         let (m4, top) = (S::splat(0xF), S::splat(0x30));
-        let mut sc = [S::splat(0); 8];
-        let mut m = [S::splat(0); 8];
+        let d = S::f16_lo(dm);
+        let mut dsc = [S::zero_f(); 8];
+        let mut mins = [S::zero_f(); 8];
         for j in 0..4u32 {
             let sh = 8 * j;
-            sc[j as usize] = S::and(S::srl(s0, sh), m6);
-            m[j as usize] = S::and(S::srl(s1, sh), m6);
-            sc[j as usize + 4] = S::or(S::and(S::srl(s2, sh), m4), S::and(S::srl(s0, sh + 2), top));
-            m[j as usize + 4] = S::or(S::and(S::srl(s2, sh + 4), m4), S::and(S::srl(s1, sh + 2), top));
-        }
-        let mut mins = [m6; 4];
-        for (i, v) in mins.iter_mut().enumerate() {
-            *v = S::or(m[2 * i], S::slli::<16>(m[2 * i + 1]));
+            let sc_lo = S::and(S::srl(s0, sh), m6);
+            let m_lo = S::and(S::srl(s1, sh), m6);
+            let sc_hi = S::or(S::and(S::srl(s2, sh), m4), S::and(S::srl(s0, sh + 2), top));
+            let m_hi = S::or(S::and(S::srl(s2, sh + 4), m4), S::and(S::srl(s1, sh + 2), top));
+            // An f16 times a 6-bit integer is exact in f32.
+            dsc[j as usize] = S::mul_f(d, S::cvt(sc_lo));
+            dsc[j as usize + 4] = S::mul_f(d, S::cvt(sc_hi));
+            mins[j as usize] = S::cvt(m_lo);
+            mins[j as usize + 4] = S::cvt(m_hi);
         }
         // Negating the half before converting is exact and saves a float op per token.
         let neg_dmin = S::f16_lo(S::xor(S::srli::<16>(dm), S::splat(0x8000)));
-        HeadK { sc, mins, d: S::f16_lo(dm), neg_dmin, qh: [S::splat(0); 8] }
+        HeadK { dsc, mins, neg_dmin, qh: [S::splat(0); 8] }
     }
 }
 
@@ -87,16 +88,21 @@ unsafe fn chunk_k<S: Lanes, const Q5: bool>(src: &Seg<S>, qs_off: usize, c: usiz
     }
 }
 
-/// Running sums of a Q4_K / Q5_K super-block: the scaled total, and the two
-/// sub-blocks of the current pair until both halves are in.
-type AccK<S> = [<S as Lanes>::I; 3];
+/// Running state within a Q4_K / Q5_K super-block: the f32 result, and the integer
+/// sums of the current sub-block pair until both halves are in.
+#[derive(Clone, Copy)]
+pub(crate) struct AccK<S: Lanes> {
+    f: S::F,
+    lo: S::I,
+    hi: S::I,
+}
 
 #[inline(always)]
 unsafe fn step_k<S: Lanes>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
     unsafe {
         let (p, hh) = (c / 2, c % 2);
         let x = a.xq.add(256 * u + 64 * p + 16 * hh);
-        let [total, mut lo, mut hi] = acc;
+        let AccK { mut f, mut lo, mut hi } = acc;
         if hh == 0 {
             lo = S::splat(0);
             hi = S::splat(0);
@@ -105,25 +111,24 @@ unsafe fn step_k<S: Lanes>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usi
             lo = S::dpbusd(lo, w[k], word(x.add(4 * k)));
             hi = S::dpbusd(hi, w[4 + k], word(x.add(32 + 4 * k)));
         }
-        if hh == 0 {
-            [total, lo, hi]
-        } else {
-            let s = S::add(S::mullo(lo, h.sc[2 * p]), S::mullo(hi, h.sc[2 * p + 1]));
-            [S::add(total, s), lo, hi]
+        if hh == 1 {
+            // Sub-blocks 2p and 2p + 1 are activation blocks 8u + 2p and 8u + 2p + 1.
+            let b = 8 * u + 2 * p;
+            f = S::fma_f(S::cvt(lo), S::mul_f(h.dsc[2 * p], S::splat_f(*a.d.add(b))), f);
+            f = S::fma_f(S::cvt(hi), S::mul_f(h.dsc[2 * p + 1], S::splat_f(*a.d.add(b + 1))), f);
         }
+        AccK { f, lo, hi }
     }
 }
 
 #[inline(always)]
-unsafe fn finish_k<S: Lanes>(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>, f: S::F) -> S::F {
+unsafe fn finish_k<S: Lanes>(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>) -> S::F {
     unsafe {
-        let dx = S::splat_f(*a.d.add(u));
-        let f = S::fma_f(S::cvt(acc[0]), S::mul_f(h.d, dx), f);
-        let mut mins = S::splat(0);
-        for i in 0..4 {
-            mins = S::madd16(mins, h.mins[i], *a.aux.add(4 * u + i) as u32);
+        let mut mins = S::zero_f();
+        for j in 0..8 {
+            mins = S::fma_f(h.mins[j], S::splat_f(*a.sx.add(8 * u + j)), mins);
         }
-        S::fma_f(S::cvt(mins), S::mul_f(h.neg_dmin, dx), f)
+        S::fma_f(mins, h.neg_dmin, acc.f)
     }
 }
 
@@ -146,16 +151,16 @@ impl<S: Lanes> Kernel<S> for Q4K {
         unsafe { chunk_k::<S, false>(src, off + 16, c, h) }
     }
     #[inline(always)]
-    unsafe fn start(_: &HeadK<S>, _: &Tok, _: usize) -> AccK<S> {
-        unsafe { [S::splat(0); 3] }
+    unsafe fn start(_: &HeadK<S>, _: &Tok, _: usize, f: S::F) -> AccK<S> {
+        unsafe { AccK { f, lo: S::splat(0), hi: S::splat(0) } }
     }
     #[inline(always)]
     unsafe fn step(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
         unsafe { step_k::<S>(w, h, a, u, c, acc) }
     }
     #[inline(always)]
-    unsafe fn finish(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>, f: S::F) -> S::F {
-        unsafe { finish_k::<S>(h, a, u, acc, f) }
+    unsafe fn finish(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>) -> S::F {
+        unsafe { finish_k::<S>(h, a, u, acc) }
     }
 }
 
@@ -179,24 +184,23 @@ impl<S: Lanes> Kernel<S> for Q5K {
         unsafe { chunk_k::<S, true>(src, off + 48, c, h) }
     }
     #[inline(always)]
-    unsafe fn start(_: &HeadK<S>, _: &Tok, _: usize) -> AccK<S> {
-        unsafe { [S::splat(0); 3] }
+    unsafe fn start(_: &HeadK<S>, _: &Tok, _: usize, f: S::F) -> AccK<S> {
+        unsafe { AccK { f, lo: S::splat(0), hi: S::splat(0) } }
     }
     #[inline(always)]
     unsafe fn step(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
         unsafe { step_k::<S>(w, h, a, u, c, acc) }
     }
     #[inline(always)]
-    unsafe fn finish(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>, f: S::F) -> S::F {
-        unsafe { finish_k::<S>(h, a, u, acc, f) }
+    unsafe fn finish(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>) -> S::F {
+        unsafe { finish_k::<S>(h, a, u, acc) }
     }
 }
 
-/// A Q6_K super-block's per-row data: sixteen signed 8-bit scales and `d`.
+/// A Q6_K super-block's per-row data: `d * sc_g` for the sixteen 16-element groups.
 #[derive(Clone, Copy)]
 pub(crate) struct Head6<S: Lanes> {
-    sc: [S::I; 16],
-    d: S::F,
+    dsc: [S::F; 16],
 }
 
 /// Which elements chunk `c` of a Q6_K super-block holds: half `h = c / 4`, column
@@ -213,20 +217,22 @@ impl<S: Lanes> Kernel<S> for Q6K {
     const UNIT_BYTES: usize = 210;
     const UNIT_ELEMS: usize = 256;
     type Head = Head6<S>;
-    type Acc = S::I;
+    type Acc = S::F;
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head6<S> {
         unsafe {
             let s = src.t4(off + 192);
-            let mut sc = [S::splat(0); 16];
-            for k in 0..4 {
-                sc[4 * k] = S::srai::<24>(S::slli::<24>(s[k]));
-                sc[4 * k + 1] = S::srai::<24>(S::slli::<16>(s[k]));
-                sc[4 * k + 2] = S::srai::<24>(S::slli::<8>(s[k]));
-                sc[4 * k + 3] = S::srai::<24>(s[k]);
-            }
             // d is the last two bytes; read the word ending there to stay in the block.
-            Head6 { sc, d: S::f16_lo(S::srli::<16>(src.word(off + 206))) }
+            let d = S::f16_lo(S::srli::<16>(src.word(off + 206)));
+            let mut dsc = [S::zero_f(); 16];
+            for k in 0..4 {
+                // Signed 8-bit scales; an f16 times one is exact in f32.
+                dsc[4 * k] = S::mul_f(d, S::cvt(S::srai::<24>(S::slli::<24>(s[k]))));
+                dsc[4 * k + 1] = S::mul_f(d, S::cvt(S::srai::<24>(S::slli::<16>(s[k]))));
+                dsc[4 * k + 2] = S::mul_f(d, S::cvt(S::srai::<24>(S::slli::<8>(s[k]))));
+                dsc[4 * k + 3] = S::mul_f(d, S::cvt(S::srai::<24>(s[k])));
+            }
+            Head6 { dsc }
         }
     }
     #[inline(always)]
@@ -248,29 +254,30 @@ impl<S: Lanes> Kernel<S> for Q6K {
         }
     }
     #[inline(always)]
-    unsafe fn start(_: &Head6<S>, _: &Tok, _: usize) -> S::I {
-        unsafe { S::splat(0) }
+    unsafe fn start(_: &Head6<S>, _: &Tok, _: usize, f: S::F) -> S::F {
+        f
     }
     #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, h: &Head6<S>, a: &Tok, u: usize, c: usize, acc: S::I) -> S::I {
+    unsafe fn step(w: &Chunk<S>, h: &Head6<S>, a: &Tok, u: usize, c: usize, f: S::F) -> S::F {
         unsafe {
             let (hf, tt, odd) = q6_chunk(c);
-            let mut acc = acc;
+            let mut f = f;
             for (half, s) in [odd, odd + 2].into_iter().enumerate() {
                 let g = 8 * hf + 2 * s + tt;
                 let x = a.xq.add(256 * u + 128 * hf + 32 * s + 16 * tt);
-                // The -32 offset of the codes, per 16-element group, from the activation side.
-                let mut sub = S::splat(*a.aux.add(16 * u + g) as u32);
+                // The -32 offset of the codes, per 16 elements, from the activation side.
+                let mut sub = S::splat(*a.aux16.add(16 * u + g) as u32);
                 for k in 0..4 {
                     sub = S::dpbusd(sub, w[4 * half + k], word(x.add(4 * k)));
                 }
-                acc = S::add(acc, S::mullo(sub, h.sc[g]));
+                let dx = S::splat_f(*a.d.add(8 * u + g / 2));
+                f = S::fma_f(S::cvt(sub), S::mul_f(h.dsc[g], dx), f);
             }
-            acc
+            f
         }
     }
     #[inline(always)]
-    unsafe fn finish(h: &Head6<S>, a: &Tok, u: usize, acc: S::I, f: S::F) -> S::F {
-        unsafe { S::fma_f(S::cvt(acc), S::mul_f(h.d, S::splat_f(*a.d.add(u))), f) }
+    unsafe fn finish(_: &Head6<S>, _: &Tok, _: usize, f: S::F) -> S::F {
+        f
     }
 }

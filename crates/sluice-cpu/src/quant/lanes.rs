@@ -23,7 +23,7 @@
 #[derive(Clone, Copy)]
 pub(crate) struct Tile {
     pub base: *const u8,
-    pub offs: [i32; 16],
+    pub offs: [usize; 16],
     /// Rows of the tile that exist.
     pub valid: usize,
     /// Bytes per row.
@@ -36,17 +36,16 @@ impl Tile {
     pub fn new(data: &[u8], row_bytes: usize, rows: usize, first: usize, lanes: usize) -> Tile {
         debug_assert!(first < rows && lanes <= 16);
         let valid = (rows - first).min(lanes);
-        let mut offs = [0i32; 16];
+        let mut offs = [0; 16];
         for (i, o) in offs.iter_mut().enumerate() {
-            *o = (i.min(valid - 1) * row_bytes) as i32;
+            *o = i.min(valid - 1) * row_bytes;
         }
-        assert!(lanes * row_bytes <= i32::MAX as usize, "weight rows too long for a tile");
         Tile { base: data[first * row_bytes..].as_ptr(), offs, valid, bytes: row_bytes }
     }
 
     #[inline(always)]
     pub fn row(&self, i: usize) -> *const u8 {
-        unsafe { self.base.add(self.offs[i] as usize) }
+        unsafe { self.base.add(self.offs[i]) }
     }
 }
 
@@ -73,7 +72,6 @@ pub(crate) trait Lanes: Copy {
     unsafe fn xor(a: Self::I, b: Self::I) -> Self::I;
     unsafe fn add(a: Self::I, b: Self::I) -> Self::I;
     unsafe fn sub(a: Self::I, b: Self::I) -> Self::I;
-    unsafe fn mullo(a: Self::I, b: Self::I) -> Self::I;
     unsafe fn srli<const S: u32>(a: Self::I) -> Self::I;
     unsafe fn slli<const S: u32>(a: Self::I) -> Self::I;
     unsafe fn srai<const S: u32>(a: Self::I) -> Self::I;
@@ -88,8 +86,6 @@ pub(crate) trait Lanes: Copy {
     unsafe fn dpbusd(acc: Self::I, w: Self::I, x: u32) -> Self::I;
     /// As [`Lanes::dpbusd`] for weight bytes of any value.
     unsafe fn dpbusd_full(acc: Self::I, w: Self::I, x: u32) -> Self::I;
-    /// `acc + a.lo16 * x.lo16 + a.hi16 * x.hi16`, all signed 16-bit, `x` broadcast.
-    unsafe fn madd16(acc: Self::I, a: Self::I, x: u32) -> Self::I;
 
     unsafe fn zero_f() -> Self::F;
     unsafe fn splat_f(v: f32) -> Self::F;

@@ -1,12 +1,17 @@
 //! Matrix products on quantized weights, computed on the stored blocks.
 //!
-//! The activations are quantized once per matmul to 8-bit blocks matched to the
-//! weight format (`act.rs`). Weight rows are taken a tile at a time, one row per
-//! vector lane (`lanes.rs`); each format (`blocks32.rs`, `kquants.rs`) unpacks its
-//! blocks into unsigned 8-bit codes and per-row scales, and the products run as
-//! integer dot products (`vpdpbusd`) with one f32 fused multiply-add per output and
-//! block (`kernel.rs`). One token streams the weights straight through the kernel;
-//! several tokens share a panel unpacked once per tile.
+//! - `act.rs`: the activations, quantized once per matmul to 8 bits per 32-element
+//!   block, with the block sums each weight format folds in.
+//! - `lanes.rs`: the vector operations, one weight row per lane (16 rows per tile on
+//!   AVX-512), implemented in `x86.rs`, `neon.rs` and `scalar.rs`.
+//! - `seg.rs`: rows read a cache line at a time and transposed into lanes.
+//! - `blocks32.rs`, `kquants.rs`: each format's unpacking into unsigned 8-bit codes
+//!   and per-row scales, and its arithmetic: integer dot products (`vpdpbusd`, the
+//!   activation's four bytes broadcast), then an f32 fused multiply-add per output
+//!   and block (32-element formats) or sub-block (K-quants).
+//! - `kernel.rs`: the loops: one token streams a tile straight through (decode);
+//!   several share a panel unpacked once per tile (prefill, mixture-of-experts
+//!   batches), `GROUP` tokens per pass.
 //!
 //! Every ISA computes the same integers and the same f32 operations in the same
 //! order, lane by lane, so results are bitwise identical across ISAs, thread counts,
@@ -39,13 +44,12 @@ use lanes::{Lanes, Tile};
 /// How a weight format asks for its activations.
 fn act_kind(dtype: DType) -> ActKind {
     match dtype {
-        DType::Q8_0 => ActKind::B32 { off: 128, min: false },
-        DType::Q4_0 => ActKind::B32 { off: 8, min: false },
-        DType::Q5_0 => ActKind::B32 { off: 16, min: false },
-        DType::MXFP4 => ActKind::B32 { off: 12, min: false },
-        DType::Q4_1 | DType::Q5_1 => ActKind::B32 { off: 0, min: true },
-        DType::Q4K | DType::Q5K => ActKind::KMins,
-        DType::Q6K => ActKind::K6,
+        DType::Q8_0 => ActKind { off: 128, sums16: false },
+        DType::Q4_0 => ActKind { off: 8, sums16: false },
+        DType::Q5_0 => ActKind { off: 16, sums16: false },
+        DType::MXFP4 => ActKind { off: 12, sums16: false },
+        DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => ActKind { off: 0, sums16: false },
+        DType::Q6K => ActKind { off: 0, sums16: true },
         other => panic!("{other} is not a quantized format"),
     }
 }

@@ -63,10 +63,6 @@ impl Lanes for Neon {
         unsafe { vsubq_u32(a, b) }
     }
     #[inline(always)]
-    unsafe fn mullo(a: uint32x4_t, b: uint32x4_t) -> uint32x4_t {
-        unsafe { vmulq_u32(a, b) }
-    }
-    #[inline(always)]
     unsafe fn srli<const S: u32>(a: uint32x4_t) -> uint32x4_t {
         unsafe { Self::srl(a, S) }
     }
@@ -109,17 +105,6 @@ impl Lanes for Neon {
     unsafe fn dpbusd_full(acc: uint32x4_t, w: uint32x4_t, x: u32) -> uint32x4_t {
         unsafe { Self::dpbusd(acc, w, x) }
     }
-    #[inline(always)]
-    unsafe fn madd16(acc: uint32x4_t, a: uint32x4_t, x: u32) -> uint32x4_t {
-        unsafe {
-            let a16 = vreinterpretq_s16_u32(a);
-            let x16 = vreinterpretq_s16_u32(vdupq_n_u32(x));
-            let lo = vmull_s16(vget_low_s16(a16), vget_low_s16(x16));
-            let hi = vmull_high_s16(a16, x16);
-            vaddq_u32(acc, vreinterpretq_u32_s32(vpaddq_s32(lo, hi)))
-        }
-    }
-
     #[inline(always)]
     unsafe fn zero_f() -> float32x4_t {
         unsafe { vdupq_n_f32(0.0) }

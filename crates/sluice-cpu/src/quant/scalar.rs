@@ -61,10 +61,6 @@ impl Lanes for Scalar {
         zip(a, b, u32::wrapping_sub)
     }
     #[inline(always)]
-    unsafe fn mullo(a: [u32; N], b: [u32; N]) -> [u32; N] {
-        zip(a, b, u32::wrapping_mul)
-    }
-    #[inline(always)]
     unsafe fn srli<const S: u32>(a: [u32; N]) -> [u32; N] {
         map(a, |x| x >> S)
     }
@@ -102,15 +98,6 @@ impl Lanes for Scalar {
     unsafe fn dpbusd_full(acc: [u32; N], w: [u32; N], x: u32) -> [u32; N] {
         unsafe { Self::dpbusd(acc, w, x) }
     }
-    #[inline(always)]
-    unsafe fn madd16(acc: [u32; N], a: [u32; N], x: u32) -> [u32; N] {
-        let (xl, xh) = (x as u16 as i16 as i32, (x >> 16) as u16 as i16 as i32);
-        zip(acc, a, |c, a| {
-            let s = (a as u16 as i16 as i32) * xl + ((a >> 16) as u16 as i16 as i32) * xh;
-            (c as i32).wrapping_add(s) as u32
-        })
-    }
-
     #[inline(always)]
     unsafe fn zero_f() -> [f32; N] {
         [0.0; N]

@@ -98,12 +98,14 @@ impl<S: Lanes> Seg<S> {
 unsafe fn tail_window<S: Lanes>(t: &Tile, off: usize, out: *mut S::I) {
     let mut tmp = [[0u8; 64]; 16];
     let have = t.bytes.saturating_sub(off).min(S::WIN);
-    for (i, row) in tmp.iter_mut().enumerate().take(S::N) {
-        unsafe { std::ptr::copy_nonoverlapping(t.row(i).add(off), row.as_mut_ptr(), have) };
+    if have > 0 {
+        for (i, row) in tmp.iter_mut().enumerate().take(S::N) {
+            unsafe { std::ptr::copy_nonoverlapping(t.row(i).add(off), row.as_mut_ptr(), have) };
+        }
     }
-    let mut offs = [0i32; 16];
+    let mut offs = [0; 16];
     for (i, o) in offs.iter_mut().enumerate() {
-        *o = 64 * i as i32;
+        *o = 64 * i;
     }
     let padded = Tile { base: tmp.as_ptr() as *const u8, offs, valid: t.valid, bytes: 64 };
     unsafe { S::transpose(&padded, 0, out) };

@@ -75,10 +75,6 @@ impl Lanes for Avx512 {
         unsafe { _mm512_sub_epi32(a, b) }
     }
     #[inline(always)]
-    unsafe fn mullo(a: __m512i, b: __m512i) -> __m512i {
-        unsafe { _mm512_mullo_epi32(a, b) }
-    }
-    #[inline(always)]
     unsafe fn srli<const S: u32>(a: __m512i) -> __m512i {
         unsafe { _mm512_srli_epi32::<S>(a) }
     }
@@ -114,11 +110,6 @@ impl Lanes for Avx512 {
     unsafe fn dpbusd_full(acc: __m512i, w: __m512i, x: u32) -> __m512i {
         unsafe { Self::dpbusd(acc, w, x) }
     }
-    #[inline(always)]
-    unsafe fn madd16(acc: __m512i, a: __m512i, x: u32) -> __m512i {
-        unsafe { _mm512_dpwssd_epi32(acc, a, _mm512_set1_epi32(x as i32)) }
-    }
-
     #[inline(always)]
     unsafe fn zero_f() -> __m512 {
         unsafe { _mm512_setzero_ps() }
@@ -228,10 +219,6 @@ impl<const VNNI: bool> Lanes for Avx2<VNNI> {
         unsafe { _mm256_sub_epi32(a, b) }
     }
     #[inline(always)]
-    unsafe fn mullo(a: __m256i, b: __m256i) -> __m256i {
-        unsafe { _mm256_mullo_epi32(a, b) }
-    }
-    #[inline(always)]
     unsafe fn srli<const S: u32>(a: __m256i) -> __m256i {
         unsafe { _mm256_srl_epi32(a, _mm_cvtsi32_si128(S as i32)) }
     }
@@ -291,11 +278,6 @@ impl<const VNNI: bool> Lanes for Avx2<VNNI> {
             }
         }
     }
-    #[inline(always)]
-    unsafe fn madd16(acc: __m256i, a: __m256i, x: u32) -> __m256i {
-        unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(x as i32))) }
-    }
-
     #[inline(always)]
     unsafe fn zero_f() -> __m256 {
         unsafe { _mm256_setzero_ps() }

@@ -21,13 +21,14 @@ use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
 use super::Network;
 use crate::backend::{Backend, Routing};
-use crate::blocks::{Attention, Mlp, Step, check_tokens, experts, load_mat, load_vector, route};
+use crate::blocks::{Attention, Mlp, RouterParams, Step, check_tokens, experts, load_mat, load_vector, route};
 
 struct Moe<B: Backend> {
     router: B::Mat,
     router_scale: B::Vector,
     /// Kept on the host: it scales the routing weights, which live there.
     expert_scale: Vec<f32>,
+    bias: Option<Vec<f32>>,
     n_experts: usize,
     top_k: usize,
     post_norm_1: B::Vector,
@@ -100,6 +101,10 @@ impl<B: Backend> Gemma<B> {
                     router: load_mat(be, ckpt, id(TensorKind::Router), m.n_experts, h)?,
                     router_scale: norm(TensorKind::RouterScale)?,
                     expert_scale: ckpt.tensor(id(TensorKind::RouterExpertScale), &[m.n_experts])?.to_f32_vec()?,
+                    bias: ckpt
+                        .optional(id(TensorKind::RouterBias), &[m.n_experts])?
+                        .map(|t| t.to_f32_vec())
+                        .transpose()?,
                     n_experts: m.n_experts,
                     top_k: m.top_k,
                     post_norm_1: norm(TensorKind::FfnPostNorm1)?,
@@ -172,7 +177,14 @@ impl<B: Backend> Gemma<B> {
                 be.mul_row(&mut r, &m.router_scale);
                 be.scale(&mut r, (h as f32).powf(-0.5));
                 let logits = be.to_host(&be.matmul(&r, &m.router));
-                route(&logits, m.n_experts, m.top_k, true, Some(&m.expert_scale))
+                let params = RouterParams {
+                    n_experts: m.n_experts,
+                    top_k: m.top_k,
+                    renormalize: true,
+                    bias: m.bias.as_deref(),
+                    expert_scale: Some(&m.expert_scale),
+                };
+                route(&logits, &params)
             },
         )
     }

@@ -9,11 +9,18 @@ use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
 use super::Network;
 use crate::backend::{Backend, Routing};
-use crate::blocks::{Attention, Mlp, Step, experts, load_mat, load_vector, route};
+use crate::blocks::{Attention, Mlp, RouterParams, Step, experts, load_mat, load_vector, route};
 
 enum Ffn<B: Backend> {
     Dense(Mlp<B>),
-    Sparse { router: B::Mat, n_experts: usize, top_k: usize, renormalize: bool },
+    Sparse {
+        router: B::Mat,
+        /// Kept on the host, where the routing is decided.
+        bias: Option<Vec<f32>>,
+        n_experts: usize,
+        top_k: usize,
+        renormalize: bool,
+    },
 }
 
 struct Layer<B: Backend> {
@@ -50,6 +57,10 @@ impl<B: Backend> Llama<B> {
                 let ffn = match (&ls.moe, ls.mlp) {
                     (Some(moe), _) => Ffn::Sparse {
                         router: load_mat(be, ckpt, id(TensorKind::Router), moe.n_experts, h)?,
+                        bias: ckpt
+                            .optional(id(TensorKind::RouterBias), &[moe.n_experts])?
+                            .map(|t| t.to_f32_vec())
+                            .transpose()?,
                         n_experts: moe.n_experts,
                         top_k: moe.top_k,
                         renormalize: matches!(moe.router, RouterKind::Softmax { normalize_top_k: true }),
@@ -78,14 +89,18 @@ impl<B: Backend> Llama<B> {
 impl<B: Backend> Llama<B> {
     /// Routing of a sparse layer for its normed input.
     fn route(&self, step: &mut Step<'_, B>, layer: usize, h: &B::Act) -> Option<Routing> {
-        let Ffn::Sparse { router, n_experts, top_k, renormalize } = &self.layers[layer].ffn else {
+        let Ffn::Sparse { router, bias, n_experts, top_k, renormalize } = &self.layers[layer].ffn else {
             return None;
         };
         let be = step.be;
-        Some(step.timers.time(
-            |t| &mut t.router,
-            || route(&be.to_host(&be.matmul(h, router)), *n_experts, *top_k, *renormalize, None),
-        ))
+        let params = RouterParams {
+            n_experts: *n_experts,
+            top_k: *top_k,
+            renormalize: *renormalize,
+            bias: bias.as_deref(),
+            expert_scale: None,
+        };
+        Some(step.timers.time(|t| &mut t.router, || route(&be.to_host(&be.matmul(h, router)), &params)))
     }
 }
 
