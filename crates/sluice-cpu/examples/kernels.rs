@@ -1,7 +1,7 @@
 //! Matmul kernel speed, per stored format, against the machine's own limits.
 //!
 //!     cargo run --release -p sluice-cpu --example kernels -- [--only Q4_K,Q6_K] [--bw 40]
-//!         [--no-cold] [--no-hot] [--no-prefill] [--no-small]
+//!         [--no-cold] [--no-hot] [--no-prefill] [--no-big] [--no-small] [--no-models]
 //!
 //! Per format, with 1 and 2 threads:
 //! - decode (n = 1) on 4096 x 4096, cycling through enough copies that they do not fit
@@ -89,6 +89,7 @@ fn main() {
     );
     let mut rng = Rng(7);
     let pools = [pool(1), pool(2)];
+    let only = if has("--no-big") { vec![] } else { only };
     for dtype in only {
         let one = random_matrix(dtype, BIG, BIG, &mut rng);
         // Enough copies to overflow a 32 MiB L3 several times.
@@ -134,9 +135,16 @@ fn main() {
             );
         }
     }
-    if skip_small {
-        return;
+    if !skip_small {
+        small(&pools, &mut rng);
     }
+    if !has("--no-models") {
+        models(&pools, &mut rng);
+    }
+}
+
+/// Small-model shapes, decode, and the per-call overhead.
+fn small(pools: &[rayon::ThreadPool], rng: &mut Rng) {
     println!("\nsmall shapes (SmolLM2-135M), decode, microseconds per call");
     println!("{:<22} {:>3} | {:>8} | {:>8}", "shape", "thr", "us/call", "GB/s");
     for (dtype, rows, cols) in [
@@ -147,8 +155,8 @@ fn main() {
         (DType::Q4K, 1536, 1536),
         (DType::Q6K, 1536, 8960),
     ] {
-        let bytes = random_matrix(dtype, rows, cols, &mut rng);
-        let x = random_input(1, cols, &mut rng);
+        let bytes = random_matrix(dtype, rows, cols, rng);
+        let x = random_input(1, cols, rng);
         let mut out = vec![0f32; rows];
         let w = MatRef::new(dtype, rows, cols, &bytes).unwrap();
         for (ti, p) in pools.iter().enumerate() {
@@ -156,9 +164,6 @@ fn main() {
             let shape = format!("{} {}x{}", dtype.name(), rows, cols);
             println!("{:<22} {:>3} | {:>8.2} | {:>8.1}", shape, ti + 1, t * 1e6, bytes.len() as f64 / t / 1e9);
         }
-    }
-    if !has("--no-models") {
-        models(&pools, &mut rng);
     }
 }
 

@@ -162,6 +162,18 @@ impl<B: Backend + 'static> Session<'_, B> {
     /// Runs `tokens` after what the session already holds and returns their logits,
     /// `[rows, vocab]` flattened. Nothing is appended if it fails.
     pub fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        // Run the step on a worker of the kernels' thread pool, not beside it: a
+        // caller outside the pool would be one runnable thread more than there are
+        // workers, and between parallel kernels the idle workers' spinning would
+        // take its core.
+        if rayon::current_thread_index().is_some() {
+            self.forward_in_pool(tokens, which)
+        } else {
+            rayon::scope(|_| self.forward_in_pool(tokens, which))
+        }
+    }
+
+    fn forward_in_pool(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
         let m = self.model;
         check_tokens(tokens, m.spec.vocab_size)?;
         let needed = self.len() + tokens.len();

@@ -86,6 +86,13 @@ pub(crate) unsafe fn direct<S: Lanes, K: Kernel<S>>(t: &Tile, units: usize, tok:
         let mut bufs = [SegBuf::new(), SegBuf::new()];
         let mut f = S::zero_f();
         let seg_len = |u0: usize| per.min(units.saturating_sub(u0)) * ub;
+        // Fetch the next tile (the rows after this one) into L2, window by window
+        // as it will be read, spread over this tile's units: a tile starts sixteen
+        // streams from cold, and small ones are over before the hardware
+        // prefetchers warm up (measured on Zen 5: 4096 x 4096 decode from DRAM +45%
+        // on one thread; a 135M model's matmuls +50%).
+        let next_lines = S::N * t.bytes.div_ceil(64);
+        let (mut ndone, mut nacc) = (0, 0);
         Seg::<S>::fill(t, 0, seg_len(0), &mut bufs[0]);
         let mut u0 = 0;
         let mut cur = 0;
@@ -108,6 +115,13 @@ pub(crate) unsafe fn direct<S: Lanes, K: Kernel<S>>(t: &Tile, units: usize, tok:
                     wacc -= n;
                 }
                 let (u, off) = (u0 + k, k * ub);
+                nacc += next_lines;
+                while nacc >= units {
+                    let (row, line) = (S::N + ndone % S::N, ndone / S::N);
+                    S::prefetch_l2(t.base.wrapping_add(row * t.bytes + 64 * line));
+                    ndone += 1;
+                    nacc -= units;
+                }
                 let h = K::head(&seg, off);
                 let mut acc = K::start(&h, tok, u, f);
                 for c in 0..K::CHUNKS {

@@ -28,6 +28,10 @@ pub(crate) struct Tile {
     pub valid: usize,
     /// Bytes per row.
     pub bytes: usize,
+    /// Bytes that may be read from the start of every row: to the end of the
+    /// matrix data for its last row. Reading past a row's own end into the next
+    /// row is harmless (those bytes are never used); past the data, it may fault.
+    pub readable: usize,
 }
 
 impl Tile {
@@ -40,7 +44,8 @@ impl Tile {
         for (i, o) in offs.iter_mut().enumerate() {
             *o = i.min(valid - 1) * row_bytes;
         }
-        Tile { base: data[first * row_bytes..].as_ptr(), offs, valid, bytes: row_bytes }
+        let readable = data.len() - (first + valid - 1) * row_bytes;
+        Tile { base: data[first * row_bytes..].as_ptr(), offs, valid, bytes: row_bytes, readable }
     }
 
     #[inline(always)]
@@ -105,6 +110,10 @@ pub(crate) trait Lanes: Copy {
     /// the ISA has no stable prefetch intrinsic.
     #[inline(always)]
     unsafe fn prefetch(_p: *const u8) {}
+    /// As [`Lanes::prefetch`], into L2 only (for data needed later, so it does not
+    /// push the current working set out of L1).
+    #[inline(always)]
+    unsafe fn prefetch_l2(_p: *const u8) {}
 }
 
 /// Bit 4 of bytes 0..4 from bits 0..4 of each lane (the fifth bit of four Q5

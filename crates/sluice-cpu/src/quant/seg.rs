@@ -62,11 +62,11 @@ impl<S: Lanes> Seg<S> {
             debug_assert!((w + 1) * S::WIN <= BUF_BYTES / size_of::<S::I>() * 4);
             let out = (buf.0.as_mut_ptr() as *mut S::I).add(w * (S::WIN / 4));
             let off = start + w * S::WIN;
-            if off + S::WIN <= t.bytes {
+            if off + S::WIN <= t.readable {
                 S::transpose(t, off, out);
             } else {
-                // The window runs past the end of the rows (and maybe of the tensor):
-                // copy what is there, zero-padded.
+                // The window runs past the end of the matrix data: copy what is
+                // there, zero-padded.
                 tail_window::<S>(t, off, out);
             }
         }
@@ -97,7 +97,7 @@ impl<S: Lanes> Seg<S> {
 #[inline(always)]
 unsafe fn tail_window<S: Lanes>(t: &Tile, off: usize, out: *mut S::I) {
     let mut tmp = [[0u8; 64]; 16];
-    let have = t.bytes.saturating_sub(off).min(S::WIN);
+    let have = t.bytes.min(t.readable).saturating_sub(off).min(S::WIN);
     if have > 0 {
         for (i, row) in tmp.iter_mut().enumerate().take(S::N) {
             unsafe { std::ptr::copy_nonoverlapping(t.row(i).add(off), row.as_mut_ptr(), have) };
@@ -107,6 +107,6 @@ unsafe fn tail_window<S: Lanes>(t: &Tile, off: usize, out: *mut S::I) {
     for (i, o) in offs.iter_mut().enumerate() {
         *o = 64 * i;
     }
-    let padded = Tile { base: tmp.as_ptr() as *const u8, offs, valid: t.valid, bytes: 64 };
+    let padded = Tile { base: tmp.as_ptr() as *const u8, offs, valid: t.valid, bytes: 64, readable: 64 };
     unsafe { S::transpose(&padded, 0, out) };
 }

@@ -152,6 +152,10 @@ impl Lanes for Avx512 {
     unsafe fn prefetch(p: *const u8) {
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
     }
+    #[inline(always)]
+    unsafe fn prefetch_l2(p: *const u8) {
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
+    }
 }
 
 /// AVX2 lanes; `VNNI` picks AVX-VNNI's `vpdpbusd` over `vpmaddubsw` + `vpmaddwd`
@@ -329,5 +333,9 @@ impl<const VNNI: bool> Lanes for Avx2<VNNI> {
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+    }
+    #[inline(always)]
+    unsafe fn prefetch_l2(p: *const u8) {
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
     }
 }
