@@ -193,7 +193,7 @@ impl Backend for Cpu {
     }
 
     fn activate(&self, x: &mut HostAct, act: Activation) {
-        x.data.iter_mut().for_each(|v| *v = sluice_cpu::ops::activate(act, *v));
+        sluice_cpu::ops::activate_slice(act, &mut x.data);
     }
 
     fn glu(&self, gate: &mut HostAct, up: &HostAct, act: Activation) {
