@@ -18,6 +18,8 @@ pub struct DiskBench {
     pub bytes: u64,
     pub seconds: f64,
     pub threads: usize,
+    /// Experts read per batch (all chunks of a batch in flight together).
+    pub batch: usize,
     pub chunk_bytes: usize,
     /// False when the filesystem refused O_DIRECT: the figure may then include
     /// page-cache hits and overstate the disk.
@@ -105,6 +107,7 @@ pub fn measure_expert_reads(
         bytes: total,
         seconds,
         threads,
+        batch,
         chunk_bytes: chunk,
         direct: files.iter().all(|f| f.is_direct()),
     })
