@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use clap::Args;
 use serde_json::json;
-use sluice_core::{Error, Result};
+use sluice_core::{Error, Precision, Result};
 use sluice_engine::stats::{PhaseMs, peak_rss_bytes};
 use sluice_engine::{Cpu, LoadOptions, Logits, Model, Prefetch, Sampler, SamplerConfig};
 use sluice_experts::{CacheBudget, ExpertLayout, Policy, Residency, RoutingHistogram, StoreConfig, human_bytes};
@@ -15,7 +15,7 @@ use sluice_formats::Checkpoint;
 use sluice_formats::gguf::GgufFile;
 use sluice_tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
-use crate::{EngineArgs, LogitsMode, PolicyArg, PrefetchArg, ResidencyArg};
+use crate::{EngineArgs, LogitsMode, PolicyArg, PrecisionArg, PrefetchArg, ResidencyArg};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -140,7 +140,7 @@ fn load_model(e: &EngineArgs) -> Result<(Model, f64)> {
             b.set_position(done);
         }
     };
-    let model = Model::load_with(Cpu, &ckpt, &opts, Some(&mut progress))?;
+    let model = Model::load_with(Cpu::default(), &ckpt, &opts, Some(&mut progress))?;
     if let Some(b) = bar {
         b.finish_and_clear();
     }
@@ -254,7 +254,12 @@ fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<LoadOptions> {
         PrefetchArg::Off => Prefetch::Off,
         PrefetchArg::Pilot => Prefetch::Pilot,
     };
-    Ok(LoadOptions { store, prefetch })
+    let precision = match e.precision {
+        PrecisionArg::Auto => None,
+        PrecisionArg::Fast => Some(Precision::Fast),
+        PrecisionArg::Accurate => Some(Precision::Accurate),
+    };
+    Ok(LoadOptions { store, prefetch, precision })
 }
 
 /// Saves the routing histogram if `--record-routing` asked for it.
@@ -423,6 +428,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             "threads": threads,
             "isa": format!("{:?}", sluice_cpu::isa()),
             "seed": seed,
+            "precision": precision_name(&model),
             "load_s": load_s,
             "prompt_tokens": prompt_tokens,
             "generated_tokens": generated,
@@ -443,6 +449,14 @@ pub fn run(a: RunArgs) -> Result<()> {
 }
 
 /// The expert store's counters and the pilot's recall, for --stats and bench --json.
+fn precision_name(model: &Model) -> &'static str {
+    match model.precision {
+        None => "auto",
+        Some(Precision::Fast) => "fast",
+        Some(Precision::Accurate) => "accurate",
+    }
+}
+
 fn expert_stats(model: &Model, pilot: &sluice_engine::blocks::PilotStats) -> serde_json::Value {
     json!({
         "store": model.store.stats(),
@@ -547,7 +561,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let prompt = bench_prompt(vocab, a.prompt_tokens, run);
         let mut s = model.session();
         let t = Instant::now();
-        let mut logits = s.forward(&prompt, Logits::Last)?;
+        let mut logits = s.prefill(&prompt)?;
         let prefill_s = t.elapsed().as_secs_f64();
         let before = model.store.stats();
         let t = Instant::now();
@@ -611,6 +625,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "arch": model.spec.arch,
             "threads": threads,
             "isa": format!("{:?}", sluice_cpu::isa()),
+            "precision": precision_name(&model),
             "load_s": load_s,
             "prompt_tokens": a.prompt_tokens,
             "gen_tokens": a.gen_tokens,
@@ -635,10 +650,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("{j}");
     } else {
         println!(
-            "{}: {} threads ({:?}), experts {}",
+            "{}: {} threads ({:?}), {} precision, experts {}",
             a.engine.model.display(),
             threads,
             sluice_cpu::isa(),
+            precision_name(&model),
             model.store.residency().name()
         );
         println!("prompt  {:>6} tokens  {:>9.1} tok/s  (median of {})", a.prompt_tokens, p, a.repeat);

@@ -75,6 +75,19 @@ pub struct EngineArgs {
     /// Read through the page cache instead of O_DIRECT (streamed)
     #[arg(long)]
     pub no_direct_io: bool,
+    /// Activations against quantized weights: fast (8 bits, as llama.cpp), accurate
+    /// (8 + 8 bits, logits within a few thousandths of f32; prefill about half as
+    /// fast), or auto (accurate for decode steps and the prompt's last token, where
+    /// it costs about a tenth; fast for the rest of the prompt)
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Auto)]
+    pub precision: PrecisionArg,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrecisionArg {
+    Auto,
+    Fast,
+    Accurate,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

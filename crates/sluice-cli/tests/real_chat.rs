@@ -31,6 +31,12 @@ fn ask(model: &Path, question: &str) -> String {
 #[test]
 fn smollm2_answers_a_question() {
     let Some(m) = model() else { return };
+    // In transformers' f32 forward over these weights the first word is a near tie
+    // ("The" 25.33, "L" 25.24, then "L'Étoile, ..."): 8-bit activations throughout
+    // flip it, as they do in llama.cpp with the same prompt; the default precision
+    // (16-bit for the prompt's last token and decode) keeps it.
+    let answer = ask(&m, "What is the capital of France?");
+    assert!(answer.contains("Paris"), "{answer}");
     let answer = ask(&m, "What is the capital of Germany?");
     assert!(answer.contains("Berlin"), "{answer}");
     let answer = ask(&m, "What is 2 + 2?");

@@ -58,7 +58,7 @@ fn truncated_expert_file_fails_the_request_not_the_process() {
         budget: Some(CacheBudget::SlotsPerLayer(top_k)),
         ..Default::default()
     };
-    let model = Model::load_with(Cpu, &ckpt, &LoadOptions { store, ..Default::default() }, None).unwrap();
+    let model = Model::load_with(Cpu::default(), &ckpt, &LoadOptions { store, ..Default::default() }, None).unwrap();
     let tokens: Vec<u32> = (1..40).collect();
     let want = model.session().forward(&tokens, Logits::All).unwrap();
 

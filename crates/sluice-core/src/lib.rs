@@ -9,5 +9,5 @@ pub mod spec;
 
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use mat::MatRef;
+pub use mat::{MatRef, Precision};
 pub use spec::*;

@@ -36,3 +36,17 @@ impl<'a> MatRef<'a> {
         MatRef { dtype: self.dtype, rows: n, cols: self.cols, data: &self.data[start * rb..(start + n) * rb] }
     }
 }
+
+/// How finely activations are quantized where they meet quantized weights (f32,
+/// f16 and bf16 weights always take f32 activations).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// 8 bits per element, one scale per 32 (what llama.cpp does): the fastest.
+    #[default]
+    Fast,
+    /// 8 bits and then 8 more for what they left over: about 15 bits, logits within
+    /// a few thousandths of f32 arithmetic on the same weights. Twice the integer
+    /// work, which a decode step (bound by reading weights) barely notices and a
+    /// prefill (bound by arithmetic) takes about twice as long over.
+    Accurate,
+}

@@ -23,7 +23,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{Rng, random_input, random_matrix};
-use sluice_core::{DType, MatRef};
+use sluice_core::{DType, MatRef, Precision};
 use sluice_cpu::matmul;
 
 const BIG: usize = 4096;
@@ -107,7 +107,7 @@ fn main() {
                 p.install(|| {
                     time(Duration::from_millis(600), || {
                         let w = MatRef::new(dtype, BIG, BIG, &many[k % copies]).unwrap();
-                        matmul(w, &x1, 1, &mut out1);
+                        matmul(w, &x1, 1, &mut out1, Precision::Fast);
                         k += 1;
                     })
                 })
@@ -116,12 +116,12 @@ fn main() {
             let hot = if skip_hot {
                 f64::NAN
             } else {
-                p.install(|| time(Duration::from_millis(400), || matmul(w, &x1, 1, &mut out1)))
+                p.install(|| time(Duration::from_millis(400), || matmul(w, &x1, 1, &mut out1, Precision::Fast)))
             };
             let pre = if skip_prefill {
                 f64::NAN
             } else {
-                p.install(|| time(Duration::from_millis(1000), || matmul(w, &xp, 128, &mut outp)))
+                p.install(|| time(Duration::from_millis(1000), || matmul(w, &xp, 128, &mut outp, Precision::Fast)))
             };
             let gb = one.len() as f64 / 1e9;
             println!(
@@ -160,7 +160,7 @@ fn small(pools: &[rayon::ThreadPool], rng: &mut Rng) {
         let mut out = vec![0f32; rows];
         let w = MatRef::new(dtype, rows, cols, &bytes).unwrap();
         for (ti, p) in pools.iter().enumerate() {
-            let t = p.install(|| time(Duration::from_millis(300), || matmul(w, &x, 1, &mut out)));
+            let t = p.install(|| time(Duration::from_millis(300), || matmul(w, &x, 1, &mut out, Precision::Fast)));
             let shape = format!("{} {}x{}", dtype.name(), rows, cols);
             println!("{:<22} {:>3} | {:>8.2} | {:>8.1}", shape, ti + 1, t * 1e6, bytes.len() as f64 / t / 1e9);
         }
@@ -211,7 +211,7 @@ fn models(pools: &[rayon::ThreadPool], rng: &mut Rng) {
             for (i, (dtype, rows, cols, bytes)) in mats.iter().enumerate() {
                 let n = if i == last { 1 } else { n };
                 let w = MatRef::new(*dtype, *rows, *cols, bytes).unwrap();
-                matmul(w, &x[..n * cols], n, &mut out[..n * rows]);
+                matmul(w, &x[..n * cols], n, &mut out[..n * rows], Precision::Fast);
             }
         };
         for (ti, p) in pools.iter().enumerate() {

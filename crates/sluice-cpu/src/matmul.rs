@@ -1,16 +1,16 @@
 //! `out = x · Wᵀ` for a stored weight matrix W (`[rows, cols]`, any format) and `n`
 //! f32 input rows.
 
-use sluice_core::MatRef;
+use sluice_core::{MatRef, Precision};
 
 /// `x` is `[n, w.cols]`, `out` is `[n, w.rows]`, both row-major.
 ///
 /// Quantized weights are computed on in their blocks against activations quantized
-/// to 8 bits once per call ([`crate::quant`](self) module docs); f32, f16 and bf16
-/// weights in f32. Every output is computed whole by one thread in a fixed order, so
+/// once per call to 8 bits, or with [`Precision::Accurate`] to 8 bits plus 8 for the
+/// remainder (the `quant` module's docs); f32, f16 and bf16 weights in f32. Every output is computed whole by one thread in a fixed order, so
 /// the result is bitwise the same for any thread count, for one token at a time or a
 /// batch (row `i` of a batch equals a call with row `i` alone), and for every ISA.
-pub fn matmul(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32]) {
+pub fn matmul(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32], p: Precision) {
     let (rows, cols) = (w.rows, w.cols);
     assert_eq!(x.len(), n * cols, "matmul: input is not [{n}, {cols}]");
     assert_eq!(out.len(), n * rows, "matmul: output is not [{n}, {rows}]");
@@ -21,5 +21,5 @@ pub fn matmul(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32]) {
         out.fill(0.0);
         return;
     }
-    if w.dtype.is_quantized() { crate::quant::matmul(w, x, n, out) } else { crate::plain::matmul(w, x, n, out) }
+    if w.dtype.is_quantized() { crate::quant::matmul(w, x, n, out, p) } else { crate::plain::matmul(w, x, n, out) }
 }

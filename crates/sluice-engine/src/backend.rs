@@ -6,7 +6,7 @@
 //! operation runs. Small results that steer control flow (router logits) come back
 //! to the host through [`Backend::to_host`].
 
-use sluice_core::{Activation, AttentionSpec, MatRef, Result, RopeSpec};
+use sluice_core::{Activation, AttentionSpec, MatRef, Precision, Result, RopeSpec};
 use sluice_cpu::{AttnParams, KvCache};
 use sluice_experts::ExpertLease;
 use sluice_formats::TensorView;
@@ -42,6 +42,9 @@ pub trait Backend: Send + Sync + Sized {
     type Kv: Send + Sync;
 
     fn name(&self) -> &'static str;
+    /// The same backend computing matrix products at precision `p` (each forward step
+    /// picks one, see [`crate::Model::precision`]).
+    fn with_precision(&self, p: Precision) -> Self;
 
     fn mat(&self, t: &TensorView) -> Result<Self::Mat>;
     fn vector(&self, t: &TensorView) -> Result<Self::Vector>;
@@ -105,12 +108,16 @@ impl HostAct {
 /// The CPU backend: activations in host memory, weights used in place in the
 /// mapped files, kernels from `sluice-cpu`.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Cpu;
+pub struct Cpu {
+    precision: Precision,
+}
 
-fn matmul_host(w: MatRef<'_>, x: &HostAct) -> HostAct {
-    let mut out = HostAct::zeros(x.rows, w.rows);
-    sluice_cpu::matmul(w, &x.data, x.rows, &mut out.data);
-    out
+impl Cpu {
+    fn matmul_host(&self, w: MatRef<'_>, x: &HostAct) -> HostAct {
+        let mut out = HostAct::zeros(x.rows, w.rows);
+        sluice_cpu::matmul(w, &x.data, x.rows, &mut out.data, self.precision);
+        out
+    }
 }
 
 impl Backend for Cpu {
@@ -121,6 +128,10 @@ impl Backend for Cpu {
 
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn with_precision(&self, precision: Precision) -> Cpu {
+        Cpu { precision }
     }
 
     fn mat(&self, t: &TensorView) -> Result<TensorView> {
@@ -143,7 +154,7 @@ impl Backend for Cpu {
     }
 
     fn matmul(&self, x: &HostAct, w: &TensorView) -> HostAct {
-        matmul_host(w.mat(), x)
+        self.matmul_host(w.mat(), x)
     }
 
     fn rms_norm(&self, x: &mut HostAct, group: usize, w: Option<&Vec<f32>>, offset: f32, eps: f32) {
@@ -249,10 +260,10 @@ impl Backend for Cpu {
                 xe.data[r * x.cols..(r + 1) * x.cols].copy_from_slice(x.row(s / k));
             }
             let m = experts.get(e);
-            let mut g = matmul_host(m.gate, &xe);
-            let u = matmul_host(m.up, &xe);
+            let mut g = self.matmul_host(m.gate, &xe);
+            let u = self.matmul_host(m.up, &xe);
             sluice_cpu::ops::glu(act, &mut g.data, &u.data);
-            let d = matmul_host(m.down, &g);
+            let d = self.matmul_host(m.down, &g);
             for (r, &s) in slots.iter().enumerate() {
                 per_slot[s] = Some(d.row(r).to_vec());
             }

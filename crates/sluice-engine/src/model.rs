@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use sluice_core::{Error, Family, ModelSpec, Result};
+use sluice_core::{Error, Family, ModelSpec, Precision, Result};
 use sluice_experts::{ExpertStore, StoreConfig};
 use sluice_formats::Checkpoint;
 
@@ -29,6 +29,8 @@ pub enum Prefetch {
 pub struct LoadOptions {
     pub store: StoreConfig,
     pub prefetch: Prefetch,
+    /// Activation precision for every step; `None` picks per step ([`Model::precision`]).
+    pub precision: Option<Precision>,
 }
 
 /// Decode-sized steps probe the next layer's router; a prefill chunk touches most
@@ -43,6 +45,13 @@ pub struct Model<B: Backend = Cpu> {
     /// The most positions a session may hold (the model's, or less if asked).
     pub max_context: usize,
     pub prefetch: Prefetch,
+    /// Activation precision of quantized matrix products. `None` (the default) picks
+    /// per step: [`Precision::Accurate`] for one token (a decode step, bound by
+    /// reading weights, where it costs about a tenth) and [`Precision::Fast`] for
+    /// several (a prefill, bound by arithmetic, where it would cost half). A prompt's
+    /// last token is then run on its own ([`Session::prefill`]), so every sampled
+    /// token comes from accurate logits.
+    pub precision: Option<Precision>,
     /// Weight bytes one decode step reads: every resident matrix, the output
     /// projection, one row of each embedding table, and top-k experts per MoE layer
     /// (their average size). Divided into memory bandwidth it gives the roofline.
@@ -53,7 +62,7 @@ impl Model<Cpu> {
     /// Opens a checkpoint and loads it for the CPU.
     pub fn open(path: &Path) -> Result<Model<Cpu>> {
         let ckpt = Checkpoint::open(path)?;
-        Model::load(Cpu, &ckpt)
+        Model::load(Cpu::default(), &ckpt)
     }
 }
 
@@ -80,6 +89,7 @@ impl<B: Backend + 'static> Model<B> {
             spec: ckpt.spec.clone(),
             max_context: ckpt.spec.max_context,
             prefetch: if ckpt.spec.is_moe() { opts.prefetch } else { Prefetch::Off },
+            precision: opts.precision,
             bytes_per_token: decode_bytes_per_token(ckpt, &store),
             store,
             be,
@@ -138,6 +148,8 @@ pub enum Logits {
     All,
     /// Only the last token's row (generation).
     Last,
+    /// None: the tokens only fill the caches.
+    None,
 }
 
 impl<B: Backend + 'static> Session<'_, B> {
@@ -160,7 +172,9 @@ impl<B: Backend + 'static> Session<'_, B> {
     }
 
     /// Runs `tokens` after what the session already holds and returns their logits,
-    /// `[rows, vocab]` flattened. Nothing is appended if it fails.
+    /// `[rows, vocab]` flattened. If it fails, the caches keep the chunks of
+    /// [`PREFILL_CHUNK`] tokens before the one that failed ([`Session::len`] says how
+    /// far it got); a prompt of one chunk leaves them as they were.
     pub fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
         // Run the step on a worker of the kernels' thread pool, not beside it: a
         // caller outside the pool would be one runnable thread more than there are
@@ -185,8 +199,10 @@ impl<B: Backend + 'static> Session<'_, B> {
         for (ci, chunk) in chunks.iter().enumerate() {
             let last_chunk = ci + 1 == chunks.len();
             let pilot = (m.prefetch == Prefetch::Pilot && chunk.len() <= PILOT_MAX_TOKENS).then_some(&mut self.pilot);
+            let precision = m.precision.unwrap_or(if chunk.len() == 1 { Precision::Accurate } else { Precision::Fast });
+            let be = &m.be.with_precision(precision);
             let mut step = Step {
-                be: &m.be,
+                be,
                 caches: &self.caches,
                 pending: (0..self.caches.len()).map(|_| None).collect(),
                 store: &m.store,
@@ -197,8 +213,7 @@ impl<B: Backend + 'static> Session<'_, B> {
             };
             let x = m.net.forward(&mut step, chunk)?;
             let pending = std::mem::take(&mut step.pending);
-            if which == Logits::All || last_chunk {
-                let be = &m.be;
+            if which == Logits::All || (which == Logits::Last && last_chunk) {
                 let x = if which == Logits::Last { be.row(&x, be.rows(&x) - 1) } else { x };
                 let head = m.net.lm_head();
                 let logits = self.timers.time(
@@ -245,6 +260,27 @@ impl GenerationStats {
 }
 
 impl<B: Backend + 'static> Session<'_, B> {
+    /// Feeds a prompt and returns its last token's logits, the ones the first
+    /// generated token is sampled from. When the model picks precision per step, the
+    /// last token runs as a step of its own so that those logits are accurate too.
+    /// On failure the caches may keep part of the prompt, as with [`Session::forward`].
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<Vec<f32>> {
+        match prompt.split_last() {
+            Some((last, rest)) if self.model.precision.is_none() && !rest.is_empty() => {
+                // Validate the whole prompt first, so that nothing is appended if
+                // the last token is the bad one.
+                check_tokens(prompt, self.model.spec.vocab_size)?;
+                let needed = self.len() + prompt.len();
+                if needed > self.model.max_context {
+                    return Err(Error::ContextTooLong { needed, limit: self.model.max_context });
+                }
+                self.forward(rest, Logits::None)?;
+                self.forward(&[*last], Logits::Last)
+            }
+            _ => self.forward(prompt, Logits::Last),
+        }
+    }
+
     /// Feeds `prompt`, then samples up to `max_tokens` tokens, handing each to
     /// `on_token` (which returns false to stop). Stops early at any of `stop_ids`.
     pub fn generate(
@@ -262,7 +298,7 @@ impl<B: Backend + 'static> Session<'_, B> {
         let room = self.model.max_context.saturating_sub(self.len() + prompt.len());
         let max_tokens = max_tokens.min(room + 1);
         let t = std::time::Instant::now();
-        let mut logits = self.forward(prompt, Logits::Last)?;
+        let mut logits = self.prefill(prompt)?;
         st.prefill_s = t.elapsed().as_secs_f64();
         let t = std::time::Instant::now();
         loop {

@@ -27,7 +27,7 @@ fn check(name: &str) {
     let ckpt = Checkpoint::open(&dir).unwrap();
     let toks = tokens(&dir);
     let load = |store: StoreConfig, prefetch: Prefetch| {
-        Model::load_with(Cpu, &ckpt, &LoadOptions { store, prefetch }, None).unwrap()
+        Model::load_with(Cpu::default(), &ckpt, &LoadOptions { store, prefetch, precision: None }, None).unwrap()
     };
     let resident = load(StoreConfig { residency: Residency::Resident, ..Default::default() }, Prefetch::Off);
     let want = [logits(&resident, &toks, false), logits(&resident, &toks, true)];

@@ -69,7 +69,8 @@ pub(crate) trait Kernel<S: Lanes> {
 /// bytes measured best of 256 to 4096).
 const PREFETCH_AHEAD: usize = 256;
 
-/// One token against a tile, unpacking as it goes: the decode path.
+/// `C` tokens (one input row's quantized parts) against a tile, unpacking as it
+/// goes: the decode path.
 ///
 /// Software-pipelined: while segment `s` is computed (vpdpbusd and FMA work), segment
 /// `s + 1` is transposed into the other buffer a window or two per unit (loads and
@@ -79,12 +80,17 @@ const PREFETCH_AHEAD: usize = 256;
 /// not run far enough ahead (measured on Zen 5: 2-thread decode from DRAM went from
 /// about 60% to 75-80% of the read bandwidth).
 #[inline(always)]
-pub(crate) unsafe fn direct<S: Lanes, K: Kernel<S>>(t: &Tile, units: usize, tok: &Tok, out: *mut f32) {
+pub(crate) unsafe fn direct<S: Lanes, K: Kernel<S>, const C: usize>(
+    t: &Tile,
+    units: usize,
+    toks: &[Tok; C],
+    outs: [*mut f32; C],
+) {
     unsafe {
         let ub = K::UNIT_BYTES;
         let per = units_per_segment::<S>(ub);
         let mut bufs = [SegBuf::new(), SegBuf::new()];
-        let mut f = S::zero_f();
+        let mut f = [S::zero_f(); C];
         let seg_len = |u0: usize| per.min(units.saturating_sub(u0)) * ub;
         // Fetch the next tile (the rows after this one) into L2, window by window
         // as it will be read, spread over this tile's units: a tile starts sixteen
@@ -123,18 +129,21 @@ pub(crate) unsafe fn direct<S: Lanes, K: Kernel<S>>(t: &Tile, units: usize, tok:
                     nacc -= units;
                 }
                 let h = K::head(&seg, off);
-                let mut acc = K::start(&h, tok, u, f);
-                for c in 0..K::CHUNKS {
-                    let w = K::chunk(&seg, off, c, &h);
-                    acc = K::step(&w, &h, tok, u, c, acc);
+                let mut acc = [K::start(&h, &toks[0], u, f[0]); C];
+                each_token!(C, |c| acc[c] = K::start(&h, &toks[c], u, f[c]));
+                for ch in 0..K::CHUNKS {
+                    let w = K::chunk(&seg, off, ch, &h);
+                    each_token!(C, |c| acc[c] = K::step(&w, &h, &toks[c], u, ch, acc[c]));
                 }
-                f = K::finish(&h, tok, u, acc);
+                each_token!(C, |c| f[c] = K::finish(&h, &toks[c], u, acc[c]));
             }
             debug_assert_eq!(wdone, next_windows);
             u0 += n;
             cur = 1 - cur;
         }
-        S::store(f, out, t.valid);
+        for c in 0..C {
+            S::store(f[c], outs[c], t.valid);
+        }
     }
 }
 

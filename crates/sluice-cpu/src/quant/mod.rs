@@ -33,7 +33,7 @@ mod x86;
 use std::cell::Cell;
 use std::ops::Range;
 
-use sluice_core::{DType, MatRef};
+use sluice_core::{DType, MatRef, Precision};
 
 use crate::isa::{Isa, isa};
 use crate::par::{OutPtr, for_each_range};
@@ -58,7 +58,9 @@ fn act_kind(dtype: DType) -> ActKind {
 struct Job<'a> {
     w: MatRef<'a>,
     act: &'a QAct,
+    /// Quantized rows (tokens as the kernels see them), `parts` per input row.
     n: usize,
+    parts: usize,
     out: OutPtr,
 }
 
@@ -66,14 +68,33 @@ struct Job<'a> {
 type TilesFn = unsafe fn(&Job, Range<usize>);
 
 /// `out = x · Wᵀ` for a quantized `w`; see [`crate::matmul`].
-pub(crate) fn matmul(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32]) {
-    let act = QAct::new(act_kind(w.dtype), x, n, w.cols);
+pub(crate) fn matmul(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32], p: Precision) {
+    let parts = match p {
+        Precision::Fast => 1,
+        Precision::Accurate => 2,
+    };
+    let act = QAct::new(act_kind(w.dtype), x, n, w.cols, parts);
     let (lanes, f) = kernel_for(isa(), w.dtype);
-    let job = Job { w, act: &act, n, out: OutPtr::new(out, w.rows) };
     let tiles = w.rows.div_ceil(lanes);
-    // Work in units of "weight bytes times tokens", what the kernels' time follows.
-    let cost = w.data.len() * n.max(1);
+    // The kernels see each quantized part as a token of its own; work is counted in
+    // units of "weight bytes times tokens", what their time follows.
+    let m = parts * n;
+    let cost = w.data.len() * m;
+    if parts == 1 {
+        let job = Job { w, act: &act, n: m, parts, out: OutPtr::new(out, w.rows) };
+        for_each_range(tiles, cost, |r| unsafe { f(&job, r) });
+        return;
+    }
+    // Part outputs land in `split` (row `parts * i + p`) and are then added.
+    let mut split = vec![0f32; m * w.rows];
+    let job = Job { w, act: &act, n: m, parts, out: OutPtr::new(&mut split, w.rows) };
     for_each_range(tiles, cost, |r| unsafe { f(&job, r) });
+    for (o, s) in out.chunks_mut(w.rows).zip(split.chunks(parts * w.rows)) {
+        let (first, rest) = s.split_at(w.rows);
+        for ((o, a), b) in o.iter_mut().zip(first).zip(rest) {
+            *o = a + b;
+        }
+    }
 }
 
 /// The tile width and tile function for an ISA and format.
@@ -149,11 +170,13 @@ unsafe fn run_tiles<S: Lanes, K: Kernel<S>>(job: &Job, tiles: Range<usize>) {
     let rows = w.rows;
 
     unsafe {
+        // One input row: straight from the weights, no panel.
         if job.n == 1 {
-            let tok = job.act.tok(0);
-            for i in tiles {
-                direct::<S, K>(&Tile::new(w.data, rb, rows, i * S::N, S::N), units, &tok, job.out.at(0, i * S::N));
-            }
+            direct_row::<S, K, 1>(job, tiles, units, rb);
+            return;
+        }
+        if job.n == 2 && job.parts == 2 {
+            direct_row::<S, K, 2>(job, tiles, units, rb);
             return;
         }
         // Not a closure: closures do not inherit this function's target features.
@@ -176,6 +199,16 @@ unsafe fn run_tiles<S: Lanes, K: Kernel<S>>(job: &Job, tiles: Range<usize>) {
                 };
             }
         }
+    }
+}
+
+/// One input row's `C` parts against `tiles`, each unpacked as it is read.
+#[inline(always)]
+unsafe fn direct_row<S: Lanes, K: Kernel<S>, const C: usize>(job: &Job, tiles: Range<usize>, units: usize, rb: usize) {
+    let toks: [Tok; C] = std::array::from_fn(|c| job.act.tok(c));
+    for i in tiles {
+        let outs = std::array::from_fn(|c| job.out.at(c, i * S::N));
+        unsafe { direct::<S, K, C>(&Tile::new(job.w.data, rb, job.w.rows, i * S::N, S::N), units, &toks, outs) };
     }
 }
 
@@ -229,10 +262,10 @@ impl Drop for Scratch {
 }
 
 /// Dot product of one quantized row with `x`, through the same kernels as
-/// [`matmul`] (bitwise equal to its output for that row).
+/// [`matmul`] with [`Precision::Fast`] (bitwise equal to its output for that row).
 pub(crate) fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     let w = MatRef::new(dtype, 1, x.len(), row).expect("dot_row: row is not x.len() elements");
     let mut out = [0f32];
-    matmul(w, x, 1, &mut out);
+    matmul(w, x, 1, &mut out, Precision::Fast);
     out[0]
 }
