@@ -305,7 +305,10 @@ fn ensure_chat_template(tok: &mut Tokenizer, file: Option<&Path>) -> Result<()> 
             "the model has no chat template and no known turn markers; give one with --chat-template FILE".into(),
         ));
     };
-    eprintln!("note: the model has no chat template; using the {name} (--chat-template FILE to choose)");
+    eprintln!(
+        "note: the model has no chat template, so it may be a base model that was never trained to chat; \
+         using the {name} (--chat-template FILE to choose, or leave out --chat to complete plain text)"
+    );
     tok.set_chat_template(name, text.to_string());
     Ok(())
 }

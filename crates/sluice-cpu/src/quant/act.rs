@@ -16,8 +16,9 @@
 //! logits up to 1.4 (5% of the largest) from the f32 reference over the same
 //! weights, enough to flip a greedy answer whose top two candidates were 0.08
 //! apart; with both parts the difference was 0.0065. In decode the second part
-//! costs about a tenth (the time goes to reading and unpacking weights, which both
-//! parts share); in prefill, which is bound by the integer arithmetic, it doubles it.
+//! cost 5-15% of the speed on a 2-core x86 machine (most of the time goes to
+//! reading, transposing and unpacking weights, which both parts share); in prefill,
+//! which is bound by the integer arithmetic, it about doubles the time.
 //!
 //! Alongside come the sums the weight formats fold in, so kernels never sum
 //! activations themselves:
