@@ -8,7 +8,7 @@ use std::time::Instant;
 use clap::Args;
 use serde_json::json;
 use sluice_core::{Error, Precision, Result};
-use sluice_engine::stats::{PhaseMs, peak_rss_bytes};
+use sluice_engine::stats::{PhaseMs, peak_rss_bytes, storage_read_bytes};
 use sluice_engine::{Cpu, LoadOptions, Logits, Model, Prefetch, Sampler, SamplerConfig};
 use sluice_experts::{CacheBudget, ExpertLayout, Policy, Residency, RoutingHistogram, StoreConfig, human_bytes};
 use sluice_formats::Checkpoint;
@@ -546,6 +546,9 @@ struct BenchRun {
     decode_tok_s: f64,
     /// Expert bytes read from disk per decoded token (streamed residency).
     decode_disk_bytes_per_token: f64,
+    /// Bytes the process read from storage per decoded token, as the kernel counts
+    /// them: the store's reads, and for mapped residency the page-ins of its faults.
+    decode_storage_bytes_per_token: Option<f64>,
     /// Expert requests served from the cache during decode (streamed residency).
     decode_hit_rate: Option<f64>,
     decode_fetch_wait_s: f64,
@@ -567,6 +570,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let mut logits = s.prefill(&prompt)?;
         let prefill_s = t.elapsed().as_secs_f64();
         let before = model.store.stats();
+        let storage_before = storage_read_bytes();
         let t = Instant::now();
         for _ in 0..a.gen_tokens {
             let next = sluice_engine::sampler::argmax(&logits);
@@ -574,6 +578,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
         let decode_s = t.elapsed().as_secs_f64();
         let after = model.store.stats();
+        let storage = storage_before.zip(storage_read_bytes()).map(|(b, a)| a.saturating_sub(b));
         let requests = after.requests - before.requests;
         let served =
             (after.hits + after.joined + after.prefetch_hits) - (before.hits + before.joined + before.prefetch_hits);
@@ -581,6 +586,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             prefill_tok_s: a.prompt_tokens as f64 / prefill_s,
             decode_tok_s: a.gen_tokens as f64 / decode_s,
             decode_disk_bytes_per_token: (after.bytes_read - before.bytes_read) as f64 / a.gen_tokens as f64,
+            decode_storage_bytes_per_token: storage.map(|b| b as f64 / a.gen_tokens as f64),
             decode_hit_rate: (after.hit_rate.is_some() && requests > 0).then(|| served as f64 / requests as f64),
             decode_fetch_wait_s: after.fetch_wait_s - before.fetch_wait_s,
         });
@@ -592,6 +598,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let p = med(|r| r.prefill_tok_s);
     let d = med(|r| r.decode_tok_s);
     let disk_per_tok = med(|r| r.decode_disk_bytes_per_token);
+    let storage_per_tok = runs
+        .iter()
+        .all(|r| r.decode_storage_bytes_per_token.is_some())
+        .then(|| med(|r| r.decode_storage_bytes_per_token.unwrap_or(0.0)));
     let hit = runs.iter().all(|r| r.decode_hit_rate.is_some()).then(|| med(|r| r.decode_hit_rate.unwrap_or(0.0)));
     let rss = peak_rss_bytes();
     // Resident decode reads every weight byte once per token: memory bandwidth over
@@ -643,6 +653,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "roofline_decode_tok_s": roofline,
             "decode_fraction_of_roofline": roofline.map(|r| d / r),
             "decode_disk_bytes_per_token": disk_per_tok,
+            "decode_storage_bytes_per_token": storage_per_tok,
             "decode_hit_rate": hit,
             "disk": disk,
             "disk_roofline_decode_tok_s": disk_roofline,
@@ -677,6 +688,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 100.0 * h,
                 disk_per_tok / 1e6
             );
+        }
+        if let Some(b) = storage_per_tok.filter(|&b| b > 0.0 && hit.is_none()) {
+            println!("{:.1} MB read from storage per token in decode (page-ins)", b / 1e6);
         }
         if let (Some(b), Some(r)) = (&disk, disk_roofline) {
             println!(

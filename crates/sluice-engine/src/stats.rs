@@ -60,6 +60,15 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// Bytes this process has caused to be read from storage (Linux `read_bytes` in
+/// `/proc/self/io`): O_DIRECT reads, and the page-ins that mapped residency leaves
+/// to the kernel, which the expert store cannot count itself.
+pub fn storage_read_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/io").ok()?;
+    let line = s.lines().find(|l| l.starts_with("read_bytes:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// Measures how fast this machine reads memory with the kernels' thread pool: the
 /// roofline for resident decode, where every weight byte is read once per token.
 /// Reads `bytes` (well above the last-level cache) `reps` times; returns the best
