@@ -19,4 +19,4 @@ mod quant;
 pub use attention::{AttnParams, KvCache, attention};
 pub use dot::{dot_f32, dot_row, row_to_f32};
 pub use isa::{Isa, isa, set_avx2_vnni, set_isa};
-pub use matmul::matmul;
+pub use matmul::{matmul, matmul_many};

@@ -26,7 +26,7 @@ use std::sync::Mutex;
 use common::{ALL, Rng, random_input, random_matrix};
 use sluice_core::quant::dequantize_row;
 use sluice_core::{DType, MatRef, Precision};
-use sluice_cpu::{Isa, dot_f32, dot_row, isa, matmul, row_to_f32, set_avx2_vnni, set_isa};
+use sluice_cpu::{Isa, dot_f32, dot_row, isa, matmul, matmul_many, row_to_f32, set_avx2_vnni, set_isa};
 
 static ISA_LOCK: Mutex<()> = Mutex::new(());
 
@@ -351,5 +351,32 @@ fn accurate_is_much_closer_than_fast() {
         };
         let (fast, accurate) = (err(Precision::Fast), err(Precision::Accurate));
         assert!(fast > 0.0 && accurate < fast / 30.0, "{dtype}: mean error fast {fast:e}, accurate {accurate:e}");
+    }
+}
+
+/// `matmul_many` gives each matrix bitwise what `matmul` alone gives: mixed formats
+/// (so several activation kinds), both precisions, one token and a batch, and rows
+/// that do not fill a tile.
+#[test]
+fn matmul_many_equals_separate_calls() {
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    select(best());
+    let mut rng = Rng(8);
+    let cols = 512;
+    let mats: Vec<(DType, usize, Vec<u8>)> = [(DType::Q4K, 37), (DType::Q6K, 300), (DType::Q8_0, 16), (DType::Q4K, 5)]
+        .into_iter()
+        .map(|(d, rows)| (d, rows, random_matrix(d, rows, cols, &mut rng)))
+        .collect();
+    let ws: Vec<MatRef> = mats.iter().map(|(d, r, b)| MatRef::new(*d, *r, cols, b).unwrap()).collect();
+    for (n, p) in [1, 5].into_iter().flat_map(|n| PRECISIONS.map(|p| (n, p))) {
+        let x = random_input(n, cols, &mut rng);
+        let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; n * w.rows]).collect();
+        let mut bufs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        pool.install(|| matmul_many(&ws, &x, n, &mut bufs, p));
+        for (i, ((d, rows, bytes), got)) in mats.iter().zip(&outs).enumerate() {
+            let want = run(*d, bytes, *rows, cols, &x, n, p);
+            assert_bitwise(&format!("matrix {i} ({d}) {p:?} n={n}"), got, &want);
+        }
     }
 }

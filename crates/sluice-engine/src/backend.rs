@@ -53,6 +53,11 @@ pub trait Backend: Send + Sync + Sized {
     fn embed(&self, table: &Self::Mat, tokens: &[u32], scale: f32) -> Self::Act;
     /// `x · Wᵀ`.
     fn matmul(&self, x: &Self::Act, w: &Self::Mat) -> Self::Act;
+    /// `x · W_iᵀ` for each of `ws`, matrices that share the input (q, k and v; gate
+    /// and up): a backend may run them as one job.
+    fn matmul_many(&self, x: &Self::Act, ws: &[&Self::Mat]) -> Vec<Self::Act> {
+        ws.iter().map(|w| self.matmul(x, w)).collect()
+    }
     /// RMS norm of each `group` columns of each row, times `w + offset` if given.
     fn rms_norm(&self, x: &mut Self::Act, group: usize, w: Option<&Self::Vector>, offset: f32, eps: f32);
     fn add(&self, x: &mut Self::Act, y: &Self::Act);
@@ -118,6 +123,13 @@ impl Cpu {
         sluice_cpu::matmul(w, &x.data, x.rows, &mut out.data, self.precision);
         out
     }
+
+    fn matmul_many_host(&self, ws: &[MatRef<'_>], x: &HostAct) -> Vec<HostAct> {
+        let mut outs: Vec<HostAct> = ws.iter().map(|w| HostAct::zeros(x.rows, w.rows)).collect();
+        let mut bufs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.data.as_mut_slice()).collect();
+        sluice_cpu::matmul_many(ws, &x.data, x.rows, &mut bufs, self.precision);
+        outs
+    }
 }
 
 impl Backend for Cpu {
@@ -155,6 +167,10 @@ impl Backend for Cpu {
 
     fn matmul(&self, x: &HostAct, w: &TensorView) -> HostAct {
         self.matmul_host(w.mat(), x)
+    }
+
+    fn matmul_many(&self, x: &HostAct, ws: &[&TensorView]) -> Vec<HostAct> {
+        self.matmul_many_host(&ws.iter().map(|w| w.mat()).collect::<Vec<_>>(), x)
     }
 
     fn rms_norm(&self, x: &mut HostAct, group: usize, w: Option<&Vec<f32>>, offset: f32, eps: f32) {
@@ -260,8 +276,7 @@ impl Backend for Cpu {
                 xe.data[r * x.cols..(r + 1) * x.cols].copy_from_slice(x.row(s / k));
             }
             let m = experts.get(e);
-            let mut g = self.matmul_host(m.gate, &xe);
-            let u = self.matmul_host(m.up, &xe);
+            let [mut g, u]: [HostAct; 2] = self.matmul_many_host(&[m.gate, m.up], &xe).try_into().expect("two outputs");
             sluice_cpu::ops::glu(act, &mut g.data, &u.data);
             let d = self.matmul_host(m.down, &g);
             for (r, &s) in slots.iter().enumerate() {

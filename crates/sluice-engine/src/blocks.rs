@@ -151,7 +151,11 @@ impl<B: Backend> Attention<B> {
         let hd = s.head_dim;
         let src = s.kv_source.unwrap_or(self.layer);
         let start = step.caches[src].as_ref().map_or(0, |c| be.kv_len(c));
-        let mut q = be.matmul(h, &self.q);
+        // The projections of `h` in one job: q, and k and v where this layer has them.
+        let ws: Vec<&B::Mat> =
+            [Some(&self.q), self.k.as_ref(), self.k.as_ref().and(self.v.as_ref())].into_iter().flatten().collect();
+        let mut proj = be.matmul_many(h, &ws).into_iter();
+        let mut q = proj.next().expect("q");
         if let Some(b) = &self.biases {
             be.add_row(&mut q, &b[0]);
         }
@@ -160,15 +164,14 @@ impl<B: Backend> Attention<B> {
         }
         be.rope(&mut q, hd, start, &s.rope);
 
-        if let Some(k_w) = &self.k {
-            let mut k = be.matmul(h, k_w);
+        if self.k.is_some() {
+            let mut k = proj.next().expect("k");
             if let Some(b) = &self.biases {
                 be.add_row(&mut k, &b[1]);
             }
             // k_eq_v: V is the k projection before k norm and RoPE.
-            let mut v = match &self.v {
-                Some(v_w) => {
-                    let mut v = be.matmul(h, v_w);
+            let mut v = match proj.next() {
+                Some(mut v) => {
                     if let Some(b) = &self.biases {
                         be.add_row(&mut v, &b[2]);
                     }
@@ -214,8 +217,8 @@ impl<B: Backend> Mlp<B> {
         step.timers.time(
             |t| &mut t.mlp,
             || {
-                let mut g = be.matmul(h, &self.gate);
-                let u = be.matmul(h, &self.up);
+                let mut gu = be.matmul_many(h, &[&self.gate, &self.up]).into_iter();
+                let (mut g, u) = (gu.next().expect("gate"), gu.next().expect("up"));
                 be.glu(&mut g, &u, act);
                 be.matmul(&g, &self.down)
             },

@@ -67,32 +67,55 @@ struct Job<'a> {
 /// Computes the rows of `tiles` (tile `i` is rows `i * lanes..`) for every token.
 type TilesFn = unsafe fn(&Job, Range<usize>);
 
-/// `out = x · Wᵀ` for a quantized `w`; see [`crate::matmul`].
-pub(crate) fn matmul(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32], p: Precision) {
+/// `outs[i] = x · W_iᵀ` for quantized matrices sharing their input (the same
+/// `cols`); see [`crate::matmul_many`].
+pub(crate) fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n: usize, outs: &mut [&mut [f32]], p: Precision) {
     let parts = match p {
         Precision::Fast => 1,
         Precision::Accurate => 2,
     };
-    let act = QAct::new(act_kind(w.dtype), x, n, w.cols, parts);
-    let (lanes, f) = kernel_for(isa(), w.dtype);
-    let tiles = w.rows.div_ceil(lanes);
-    // The kernels see each quantized part as a token of its own; work is counted in
-    // units of "weight bytes times tokens", what their time follows.
+    // The kernels see each quantized part as a token of its own.
     let m = parts * n;
-    let cost = w.data.len() * m;
-    if parts == 1 {
-        let job = Job { w, act: &act, n: m, parts, out: OutPtr::new(out, w.rows) };
-        for_each_range(tiles, cost, |r| unsafe { f(&job, r) });
-        return;
+    // One quantization of `x` per kind of activations the formats ask for.
+    let mut acts: Vec<(ActKind, QAct)> = Vec::new();
+    for w in ws {
+        let kind = act_kind(w.dtype);
+        if !acts.iter().any(|(k, _)| *k == kind) {
+            acts.push((kind, QAct::new(kind, x, n, w.cols, parts)));
+        }
     }
-    // Part outputs land in `split` (row `parts * i + p`) and are then added.
-    let mut split = vec![0f32; m * w.rows];
-    let job = Job { w, act: &act, n: m, parts, out: OutPtr::new(&mut split, w.rows) };
-    for_each_range(tiles, cost, |r| unsafe { f(&job, r) });
-    for (o, s) in out.chunks_mut(w.rows).zip(split.chunks(parts * w.rows)) {
-        let (first, rest) = s.split_at(w.rows);
-        for ((o, a), b) in o.iter_mut().zip(first).zip(rest) {
-            *o = a + b;
+    // With two parts, part outputs land in `split` (row `parts * i + p`) and are
+    // added afterwards.
+    let mut split: Vec<Vec<f32>> =
+        if parts == 1 { Vec::new() } else { ws.iter().map(|w| vec![0f32; m * w.rows]).collect() };
+    // Every matrix's tiles in one index space, so one split of the threads covers all.
+    let mut jobs = Vec::with_capacity(ws.len());
+    let (mut tiles, mut cost) = (0, 0);
+    for (i, w) in ws.iter().enumerate() {
+        let kind = act_kind(w.dtype);
+        let act = &acts.iter().find(|(k, _)| *k == kind).expect("quantized above").1;
+        let (lanes, f) = kernel_for(isa(), w.dtype);
+        let out = if parts == 1 { OutPtr::new(outs[i], w.rows) } else { OutPtr::new(&mut split[i], w.rows) };
+        let count = w.rows.div_ceil(lanes);
+        jobs.push((Job { w: *w, act, n: m, parts, out }, f, tiles..tiles + count));
+        tiles += count;
+        // Work is counted in units of "weight bytes times tokens", what time follows.
+        cost += w.data.len() * m;
+    }
+    for_each_range(tiles, cost, |r| {
+        for (job, f, span) in &jobs {
+            let (lo, hi) = (r.start.max(span.start), r.end.min(span.end));
+            if lo < hi {
+                unsafe { f(job, lo - span.start..hi - span.start) };
+            }
+        }
+    });
+    for (out, (s, w)) in outs.iter_mut().zip(split.iter().zip(ws)) {
+        for (o, s) in out.chunks_mut(w.rows).zip(s.chunks(parts * w.rows)) {
+            let (first, rest) = s.split_at(w.rows);
+            for ((o, a), b) in o.iter_mut().zip(first).zip(rest) {
+                *o = a + b;
+            }
         }
     }
 }
@@ -262,10 +285,10 @@ impl Drop for Scratch {
 }
 
 /// Dot product of one quantized row with `x`, through the same kernels as
-/// [`matmul`] with [`Precision::Fast`] (bitwise equal to its output for that row).
+/// [`crate::matmul`] with [`Precision::Fast`] (bitwise equal to its output for that row).
 pub(crate) fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     let w = MatRef::new(dtype, 1, x.len(), row).expect("dot_row: row is not x.len() elements");
     let mut out = [0f32];
-    matmul(w, x, 1, &mut out, Precision::Fast);
+    matmul_many(&[w], x, 1, &mut [&mut out], Precision::Fast);
     out[0]
 }
