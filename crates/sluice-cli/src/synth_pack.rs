@@ -54,21 +54,7 @@ pub struct PackArgs {
 fn parse_quant(s: &str) -> Result<DType> {
     let key = |x: &str| x.replace(['_', '-'], "").to_ascii_uppercase();
     let want = key(s);
-    let types = [
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::MXFP4,
-        DType::F16,
-        DType::BF16,
-        DType::F32,
-    ];
-    types.into_iter().find(|d| key(d.name()) == want).ok_or_else(|| {
+    DType::ALL.into_iter().find(|d| key(d.name()) == want).ok_or_else(|| {
         Error::Usage(format!(
             "--quant: '{s}' is not a weight type (q4_k, q5_k, q6_k, q8_0, q4_0, q4_1, q5_0, q5_1, mxfp4, f16, bf16)"
         ))

@@ -1,8 +1,12 @@
 //! The `sluice` binary end to end: the command-line contract on the tiny fixtures,
 //! and every kind of bad input ending in one clear error line and a non-zero exit.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+use common::assert_one_error;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny").join(name)
@@ -22,17 +26,6 @@ fn scratch(name: &str, tag: &str) -> PathBuf {
         std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
     }
     dir
-}
-
-/// Asserts a failed run that printed exactly one line, an error naming `needle`.
-fn assert_one_error(out: &Output, needle: &str) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
-    assert!(!err.contains("panicked"), "panicked: {err}");
-    let lines: Vec<&str> = err.lines().collect();
-    assert_eq!(lines.len(), 1, "expected one error line, got: {err}");
-    assert!(lines[0].starts_with("error: "), "{err}");
-    assert!(lines[0].contains(needle), "error should name '{needle}': {err}");
 }
 
 fn reference(name: &str) -> (Vec<u32>, Vec<f32>, serde_json::Value) {

@@ -3,8 +3,12 @@
 //! runs, streams identically, and its skew concentrates the routing; bad input ends in
 //! one clear error line.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+use common::assert_one_error;
 
 use sluice_experts::{CacheBudget, ExpertLayout, ExpertStore, Residency, StoreConfig};
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
@@ -33,17 +37,6 @@ fn scratch(tag: &str) -> PathBuf {
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-/// Asserts a failed run that printed exactly one line, an error naming `needle`.
-fn assert_one_error(out: &Output, needle: &str) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
-    assert!(!err.contains("panicked"), "panicked: {err}");
-    let lines: Vec<&str> = err.lines().collect();
-    assert_eq!(lines.len(), 1, "expected one error line, got: {err}");
-    assert!(lines[0].starts_with("error: "), "{err}");
-    assert!(lines[0].contains(needle), "error should name '{needle}': {err}");
 }
 
 fn synth(geometry: &str, extra: &[&str], out: &Path) {

@@ -23,6 +23,27 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every format, plain ones first.
+    pub const ALL: [DType; 12] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+        DType::MXFP4,
+    ];
+
+    /// A format by its GGUF-style name (`Q4_K`, `bf16`), case-insensitive.
+    pub fn from_name(name: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.name().eq_ignore_ascii_case(name))
+    }
+
     /// Elements per block (1 for plain types).
     pub const fn block_elems(self) -> usize {
         match self {

@@ -193,21 +193,6 @@ mod tests {
     use super::*;
     use std::path::PathBuf;
 
-    const ALL: [DType; 12] = [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-        DType::MXFP4,
-    ];
-
     /// Reads `fixtures/quant/<NAME>.bin` (see `scripts/make_quant_vectors.py`):
     /// the raw blocks and gguf-py's dequantization of them.
     pub(crate) fn vectors(dtype: DType) -> (Vec<u8>, Vec<f32>) {
@@ -225,7 +210,7 @@ mod tests {
 
     #[test]
     fn matches_gguf_py_bit_for_bit() {
-        for dt in ALL {
+        for dt in DType::ALL {
             let (blocks, want) = vectors(dt);
             assert_eq!(want.len(), blocks.len() / dt.block_bytes() * dt.block_elems());
             let mut got = vec![0f32; want.len()];

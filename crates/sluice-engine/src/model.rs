@@ -187,13 +187,21 @@ impl<B: Backend + 'static> Session<'_, B> {
         }
     }
 
-    fn forward_in_pool(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+    /// Whether `tokens` may follow what the session holds: ids in the vocabulary,
+    /// and room in the context.
+    fn check_next(&self, tokens: &[u32]) -> Result<()> {
         let m = self.model;
         check_tokens(tokens, m.spec.vocab_size)?;
         let needed = self.len() + tokens.len();
         if needed > m.max_context {
             return Err(Error::ContextTooLong { needed, limit: m.max_context });
         }
+        Ok(())
+    }
+
+    fn forward_in_pool(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        let m = self.model;
+        self.check_next(tokens)?;
         let mut out = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
         for (ci, chunk) in chunks.iter().enumerate() {
@@ -269,11 +277,7 @@ impl<B: Backend + 'static> Session<'_, B> {
             Some((last, rest)) if self.model.precision.is_none() && !rest.is_empty() => {
                 // Validate the whole prompt first, so that nothing is appended if
                 // the last token is the bad one.
-                check_tokens(prompt, self.model.spec.vocab_size)?;
-                let needed = self.len() + prompt.len();
-                if needed > self.model.max_context {
-                    return Err(Error::ContextTooLong { needed, limit: self.model.max_context });
-                }
+                self.check_next(prompt)?;
                 self.forward(rest, Logits::None)?;
                 self.forward(&[*last], Logits::Last)
             }

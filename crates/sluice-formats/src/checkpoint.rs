@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use sluice_core::{Error, Family, ModelSpec, MoeSpec, Result};
+use sluice_core::{DType, Error, Family, ModelSpec, MoeSpec, Result};
 
 use crate::gguf::{GgufFile, has_gguf_magic};
 use crate::mapped::TensorView;
@@ -126,7 +126,7 @@ impl Checkpoint {
                 ));
             }
         }
-        if let Some(d) = manifest.weight_dtype.as_deref().and_then(pack::dtype_from_name) {
+        if let Some(d) = manifest.weight_dtype.as_deref().and_then(DType::from_name) {
             ckpt.spec.weight_dtype = Some(d);
         }
         ckpt.packed = Some(info);

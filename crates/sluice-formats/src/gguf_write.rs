@@ -311,7 +311,8 @@ impl<W: Write> Write for Counting<W> {
     }
 }
 
-fn write_zeros(out: &mut impl Write, mut n: u64) -> io::Result<()> {
+/// Writes `n` zero bytes (alignment padding).
+pub(crate) fn write_zeros(out: &mut impl Write, mut n: u64) -> io::Result<()> {
     let zeros = [0u8; 4096];
     while n > 0 {
         let k = n.min(zeros.len() as u64) as usize;

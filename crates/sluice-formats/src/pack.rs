@@ -34,7 +34,7 @@ use sluice_core::{DType, Error, Result};
 
 use crate::checkpoint::Checkpoint;
 use crate::gguf::GgufValue;
-use crate::gguf_write::GgufWriter;
+use crate::gguf_write::{GgufWriter, write_zeros};
 use crate::mapped::{MappedFile, TensorView};
 use crate::names::{TensorId, TensorKind};
 
@@ -153,25 +153,6 @@ pub fn model_path(path: &Path) -> PathBuf {
     if is_packed(path) && inner.is_file() { inner } else { path.to_path_buf() }
 }
 
-/// A type by its GGUF-style name (`Q4_K`, `BF16`).
-pub fn dtype_from_name(name: &str) -> Option<DType> {
-    const ALL: [DType; 12] = [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-        DType::MXFP4,
-    ];
-    ALL.into_iter().find(|d| d.name().eq_ignore_ascii_case(name))
-}
-
 /// Lays out the experts: `layers` holds, per MoE layer, each expert's gate, up and down.
 /// Returns the manifest's layer entries and the size of `experts.bin`.
 pub fn layout(layers: &[(usize, Vec<[MatShape; 3]>)], path: &Path) -> Result<(Vec<LayerEntry>, u64)> {
@@ -237,7 +218,7 @@ impl ExpertsWriter {
 
     /// Writes one matrix where the manifest puts it.
     pub fn put(&mut self, m: &MatEntry, bytes: &[u8]) -> Result<()> {
-        let want = dtype_from_name(&m.dtype)
+        let want = DType::from_name(&m.dtype)
             .and_then(|d| MatShape { dtype: d, shape: m.shape }.bytes())
             .ok_or_else(|| Error::format(&self.path, format!("bad matrix entry {m:?}")))?;
         if bytes.len() as u64 != want {
@@ -367,7 +348,7 @@ pub(crate) fn attach(dir: &Path, m: &Manifest, ckpt: &Checkpoint) -> Result<(Vec
                 (&x.down, [h, i], TensorKind::ExpDown(e), "down"),
             ];
             for (mat, want, kind, what) in parts {
-                let dtype = dtype_from_name(&mat.dtype)
+                let dtype = DType::from_name(&mat.dtype)
                     .ok_or_else(|| bad(format!("layer {l} expert {e} {what}: unknown type '{}'", mat.dtype)))?;
                 if mat.shape != want {
                     return Err(bad(format!(
@@ -637,14 +618,4 @@ fn partial(path: &Path) -> PathBuf {
     let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
     name.push(".partial");
     path.with_file_name(name)
-}
-
-fn write_zeros(out: &mut impl Write, mut n: u64) -> io::Result<()> {
-    let zeros = [0u8; 4096];
-    while n > 0 {
-        let k = n.min(zeros.len() as u64) as usize;
-        out.write_all(&zeros[..k])?;
-        n -= k as u64;
-    }
-    Ok(())
 }

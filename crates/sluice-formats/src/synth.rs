@@ -996,21 +996,7 @@ mod tests {
 
     #[test]
     fn random_blocks_have_the_asked_for_spread() {
-        let types = [
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q5_0,
-            DType::Q5_1,
-            DType::Q4K,
-            DType::Q5K,
-            DType::Q6K,
-            DType::MXFP4,
-        ];
-        for dt in types {
+        for dt in DType::ALL {
             for std in [0.011f32, 0.05, 1.0] {
                 let n = 256 * 512;
                 let mut bytes = vec![0u8; dt.bytes_for(n).unwrap()];

@@ -153,20 +153,8 @@ fn synth_packed_is_pack_of_synth_gguf() {
 
 #[test]
 fn every_weight_type_writes_and_packs() {
-    let types = [
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::MXFP4,
-        DType::F16,
-        DType::BF16,
-    ];
-    for quant in types {
+    // Every type but F32, whose experts would only make the test slow.
+    for quant in DType::ALL.into_iter().filter(|&d| d != DType::F32) {
         for g in ["tiny-moe", "tiny-gemma4"] {
             let opts = SynthOptions { quant, ..synth(g, 0.5, 2).opts };
             let s = Synth::new(opts).unwrap();

@@ -88,13 +88,29 @@ unsafe fn finish32<S: Lanes, const MIN: bool>(h: &Head32<S>, a: &Tok, u: usize, 
 /// A block's integer sum and the running result it will be added to.
 type Acc32<S> = (<S as Lanes>::I, <S as Lanes>::F);
 
+/// What the 32-element formats share: one chunk per block, and the arithmetic,
+/// which differs only in whether codes carry an offset (folded in from the
+/// activations' `aux`) or a min (`MIN`, added in `finish`), and whether code bytes
+/// may reach 128 (`FULL`, Q8_0's sign-flipped bytes).
 macro_rules! block32_common {
-    ($bytes:expr) => {
+    ($bytes:expr, min: $min:literal, full: $full:literal) => {
         const CHUNKS: usize = 1;
         const UNIT_BYTES: usize = $bytes;
         const UNIT_ELEMS: usize = 32;
         type Head = Head32<S>;
         type Acc = Acc32<S>;
+        #[inline(always)]
+        unsafe fn start(_: &Head32<S>, a: &Tok, u: usize, f: S::F) -> Acc32<S> {
+            unsafe { (if $min { S::splat(0) } else { S::splat(*a.aux.add(u) as u32) }, f) }
+        }
+        #[inline(always)]
+        unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
+            unsafe { (dot::<S, $full>(w, a.xq.add(32 * u), i), f) }
+        }
+        #[inline(always)]
+        unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
+            unsafe { finish32::<S, $min>(h, a, u, acc) }
+        }
     };
 }
 
@@ -106,7 +122,7 @@ pub(crate) struct Q5_1;
 pub(crate) struct Mxfp4;
 
 impl<S: Lanes> Kernel<S> for Q8_0 {
-    block32_common!(34);
+    block32_common!(34, min: false, full: true);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe { Head32 { d: S::f16_lo(src.word(off)), m: S::zero_f(), qh: S::splat(0) } }
@@ -125,22 +141,10 @@ impl<S: Lanes> Kernel<S> for Q8_0 {
             w
         }
     }
-    #[inline(always)]
-    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize, f: S::F) -> Acc32<S> {
-        unsafe { (S::splat(*a.aux.add(u) as u32), f) }
-    }
-    #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
-        unsafe { (dot::<S, true>(w, a.xq.add(32 * u), i), f) }
-    }
-    #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
-        unsafe { finish32::<S, false>(h, a, u, acc) }
-    }
 }
 
 impl<S: Lanes> Kernel<S> for Q4_0 {
-    block32_common!(18);
+    block32_common!(18, min: false, full: false);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe { Head32 { d: S::f16_lo(src.word(off)), m: S::zero_f(), qh: S::splat(0) } }
@@ -149,22 +153,10 @@ impl<S: Lanes> Kernel<S> for Q4_0 {
     unsafe fn chunk(src: &Seg<S>, off: usize, _: usize, _: &Head32<S>) -> Chunk<S> {
         unsafe { nibbles::<S>(src.t4(off + 2)) }
     }
-    #[inline(always)]
-    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize, f: S::F) -> Acc32<S> {
-        unsafe { (S::splat(*a.aux.add(u) as u32), f) }
-    }
-    #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
-        unsafe { (dot::<S, false>(w, a.xq.add(32 * u), i), f) }
-    }
-    #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
-        unsafe { finish32::<S, false>(h, a, u, acc) }
-    }
 }
 
 impl<S: Lanes> Kernel<S> for Q4_1 {
-    block32_common!(20);
+    block32_common!(20, min: true, full: false);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe {
@@ -176,22 +168,10 @@ impl<S: Lanes> Kernel<S> for Q4_1 {
     unsafe fn chunk(src: &Seg<S>, off: usize, _: usize, _: &Head32<S>) -> Chunk<S> {
         unsafe { nibbles::<S>(src.t4(off + 4)) }
     }
-    #[inline(always)]
-    unsafe fn start(_: &Head32<S>, _: &Tok, _: usize, f: S::F) -> Acc32<S> {
-        unsafe { (S::splat(0), f) }
-    }
-    #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
-        unsafe { (dot::<S, false>(w, a.xq.add(32 * u), i), f) }
-    }
-    #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
-        unsafe { finish32::<S, true>(h, a, u, acc) }
-    }
 }
 
 impl<S: Lanes> Kernel<S> for Q5_0 {
-    block32_common!(22);
+    block32_common!(22, min: false, full: false);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe { Head32 { d: S::f16_lo(src.word(off)), m: S::zero_f(), qh: src.word(off + 2) } }
@@ -200,22 +180,10 @@ impl<S: Lanes> Kernel<S> for Q5_0 {
     unsafe fn chunk(src: &Seg<S>, off: usize, _: usize, h: &Head32<S>) -> Chunk<S> {
         unsafe { fifth_bit::<S>(nibbles::<S>(src.t4(off + 6)), h.qh) }
     }
-    #[inline(always)]
-    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize, f: S::F) -> Acc32<S> {
-        unsafe { (S::splat(*a.aux.add(u) as u32), f) }
-    }
-    #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
-        unsafe { (dot::<S, false>(w, a.xq.add(32 * u), i), f) }
-    }
-    #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
-        unsafe { finish32::<S, false>(h, a, u, acc) }
-    }
 }
 
 impl<S: Lanes> Kernel<S> for Q5_1 {
-    block32_common!(24);
+    block32_common!(24, min: true, full: false);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe {
@@ -226,18 +194,6 @@ impl<S: Lanes> Kernel<S> for Q5_1 {
     #[inline(always)]
     unsafe fn chunk(src: &Seg<S>, off: usize, _: usize, h: &Head32<S>) -> Chunk<S> {
         unsafe { fifth_bit::<S>(nibbles::<S>(src.t4(off + 8)), h.qh) }
-    }
-    #[inline(always)]
-    unsafe fn start(_: &Head32<S>, _: &Tok, _: usize, f: S::F) -> Acc32<S> {
-        unsafe { (S::splat(0), f) }
-    }
-    #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
-        unsafe { (dot::<S, false>(w, a.xq.add(32 * u), i), f) }
-    }
-    #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
-        unsafe { finish32::<S, true>(h, a, u, acc) }
     }
 }
 
@@ -267,7 +223,7 @@ unsafe fn e8m0_half<S: Lanes>(e: S::I) -> S::F {
 }
 
 impl<S: Lanes> Kernel<S> for Mxfp4 {
-    block32_common!(17);
+    block32_common!(17, min: false, full: false);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe {
@@ -284,17 +240,5 @@ impl<S: Lanes> Kernel<S> for Mxfp4 {
             }
             w
         }
-    }
-    #[inline(always)]
-    unsafe fn start(_: &Head32<S>, a: &Tok, u: usize, f: S::F) -> Acc32<S> {
-        unsafe { (S::splat(*a.aux.add(u) as u32), f) }
-    }
-    #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
-        unsafe { (dot::<S, false>(w, a.xq.add(32 * u), i), f) }
-    }
-    #[inline(always)]
-    unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
-        unsafe { finish32::<S, false>(h, a, u, acc) }
     }
 }

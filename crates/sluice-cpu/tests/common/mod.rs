@@ -5,20 +5,7 @@
 
 use sluice_core::DType;
 
-pub const ALL: [DType; 12] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q4K,
-    DType::Q5K,
-    DType::Q6K,
-    DType::MXFP4,
-];
+pub const ALL: [DType; 12] = DType::ALL;
 
 /// splitmix64: small, seedable, good enough for test data.
 pub struct Rng(pub u64);
