@@ -136,7 +136,7 @@ fn shapes(dtype: DType) -> Vec<(usize, usize)> {
     // seg.rs: a segment is at most 512 to 1024 bytes of each row).
     let rows = [1, 7, 37, 64];
     let cols: &[usize] = match dtype.block_elems() {
-        256 => &[256, 768, 2304],
+        256 => &[256, 768, 2304, 4352],
         32 => &[32, 96, 544, 1696],
         _ => &[1, 16, 33, 100, 1000],
     };

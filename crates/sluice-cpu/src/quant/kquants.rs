@@ -37,8 +37,14 @@ pub(crate) struct HeadK<S: Lanes> {
 /// bytes at `off`), per `sluice_core::quant::k_scale_min`.
 #[inline(always)]
 unsafe fn head_k<S: Lanes>(src: &Seg<S>, off: usize) -> HeadK<S> {
+    unsafe { head_k_words::<S>(src.t4(off)) }
+}
+
+/// [`head_k`] from the four words of the 16 bytes, already in lanes.
+#[inline(always)]
+pub(crate) unsafe fn head_k_words<S: Lanes>(words: [S::I; 4]) -> HeadK<S> {
     unsafe {
-        let [dm, s0, s1, s2] = src.t4(off);
+        let [dm, s0, s1, s2] = words;
         let m6 = S::splat(63);
         let (m4, top) = (S::splat(0xF), S::splat(0x30));
         let d = S::f16_lo(dm);
@@ -112,23 +118,38 @@ unsafe fn step_k<S: Lanes>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usi
             hi = S::dpbusd(hi, w[4 + k], word(x.add(32 + 4 * k)));
         }
         if hh == 1 {
-            // Sub-blocks 2p and 2p + 1 are activation blocks 8u + 2p and 8u + 2p + 1.
-            let b = 8 * u + 2 * p;
-            f = S::fma_f(S::cvt(lo), S::mul_f(h.dsc[2 * p], S::splat_f(*a.d.add(b))), f);
-            f = S::fma_f(S::cvt(hi), S::mul_f(h.dsc[2 * p + 1], S::splat_f(*a.d.add(b + 1))), f);
+            f = fold_k(h, a, u, p, lo, hi, f);
         }
         AccK { f, lo, hi }
     }
 }
 
+/// The running result with sub-blocks `2p` and `2p + 1` of unit `u` added, given
+/// their integer dot products.
+#[inline(always)]
+pub(crate) unsafe fn fold_k<S: Lanes>(h: &HeadK<S>, a: &Tok, u: usize, p: usize, lo: S::I, hi: S::I, f: S::F) -> S::F {
+    unsafe {
+        // Sub-blocks 2p and 2p + 1 are activation blocks 8u + 2p and 8u + 2p + 1.
+        let b = 8 * u + 2 * p;
+        let f = S::fma_f(S::cvt(lo), S::mul_f(h.dsc[2 * p], S::splat_f(*a.d.add(b))), f);
+        S::fma_f(S::cvt(hi), S::mul_f(h.dsc[2 * p + 1], S::splat_f(*a.d.add(b + 1))), f)
+    }
+}
+
 #[inline(always)]
 unsafe fn finish_k<S: Lanes>(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>) -> S::F {
+    unsafe { fold_mins_k(h, a, u, acc.f) }
+}
+
+/// The running result with unit `u`'s mins term added (its last step).
+#[inline(always)]
+pub(crate) unsafe fn fold_mins_k<S: Lanes>(h: &HeadK<S>, a: &Tok, u: usize, f: S::F) -> S::F {
     unsafe {
         let mut mins = S::zero_f();
         for j in 0..8 {
             mins = S::fma_f(h.mins[j], S::splat_f(*a.sx.add(8 * u + j)), mins);
         }
-        S::fma_f(mins, h.neg_dmin, acc.f)
+        S::fma_f(mins, h.neg_dmin, f)
     }
 }
 
@@ -220,38 +241,12 @@ impl<S: Lanes> Kernel<S> for Q6K {
     type Acc = S::F;
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head6<S> {
-        unsafe {
-            let s = src.t4(off + 192);
-            // d is the last two bytes; read the word ending there to stay in the block.
-            let d = S::f16_lo(S::srli::<16>(src.word(off + 206)));
-            let mut dsc = [S::zero_f(); 16];
-            for k in 0..4 {
-                // Signed 8-bit scales; an f16 times one is exact in f32.
-                dsc[4 * k] = S::mul_f(d, S::cvt(S::srai::<24>(S::slli::<24>(s[k]))));
-                dsc[4 * k + 1] = S::mul_f(d, S::cvt(S::srai::<24>(S::slli::<16>(s[k]))));
-                dsc[4 * k + 2] = S::mul_f(d, S::cvt(S::srai::<24>(S::slli::<8>(s[k]))));
-                dsc[4 * k + 3] = S::mul_f(d, S::cvt(S::srai::<24>(s[k])));
-            }
-            Head6 { dsc }
-        }
+        // d is the last two bytes; read the word ending there to stay in the block.
+        unsafe { head6_words::<S>(src.t4(off + 192), src.word(off + 206)) }
     }
     #[inline(always)]
     unsafe fn chunk(src: &Seg<S>, off: usize, c: usize, _: &Head6<S>) -> Chunk<S> {
-        unsafe {
-            let (h, tt, odd) = q6_chunk(c);
-            let ql = src.t4(off + 64 * h + 32 * odd + 16 * tt);
-            let qh = src.t4(off + 128 + 32 * h + 16 * tt);
-            let (m4, top) = (S::splat(LOW4), S::splat(0x3030_3030));
-            let mut w = [m4; 8];
-            for k in 0..4 {
-                let q = qh[k];
-                // Bits 2s..2s+2 of qh moved to bits 4..6, for s = odd and s = odd + 2.
-                let (hi_lo, hi_hi) = if odd == 0 { (S::slli::<4>(q), q) } else { (S::slli::<2>(q), S::srli::<2>(q)) };
-                w[k] = S::or(S::and(ql[k], m4), S::and(hi_lo, top));
-                w[4 + k] = S::or(S::and(S::srli::<4>(ql[k]), m4), S::and(hi_hi, top));
-            }
-            w
-        }
+        unsafe { chunk6::<S>(src, off, c) }
     }
     #[inline(always)]
     unsafe fn start(_: &Head6<S>, _: &Tok, _: usize, f: S::F) -> S::F {
@@ -260,18 +255,16 @@ impl<S: Lanes> Kernel<S> for Q6K {
     #[inline(always)]
     unsafe fn step(w: &Chunk<S>, h: &Head6<S>, a: &Tok, u: usize, c: usize, f: S::F) -> S::F {
         unsafe {
-            let (hf, tt, odd) = q6_chunk(c);
             let mut f = f;
-            for (half, s) in [odd, odd + 2].into_iter().enumerate() {
-                let g = 8 * hf + 2 * s + tt;
-                let x = a.xq.add(256 * u + 128 * hf + 32 * s + 16 * tt);
+            for half in 0..2 {
+                let g = Q6_GROUP_ORDER[2 * c + half];
+                let x = a.xq.add(256 * u + 16 * g);
                 // The -32 offset of the codes, per 16 elements, from the activation side.
                 let mut sub = S::splat(*a.aux16.add(16 * u + g) as u32);
                 for k in 0..4 {
                     sub = S::dpbusd(sub, w[4 * half + k], word(x.add(4 * k)));
                 }
-                let dx = S::splat_f(*a.d.add(8 * u + g / 2));
-                f = S::fma_f(S::cvt(sub), S::mul_f(h.dsc[g], dx), f);
+                f = fold6(h, a, u, g, sub, f);
             }
             f
         }
@@ -279,5 +272,66 @@ impl<S: Lanes> Kernel<S> for Q6K {
     #[inline(always)]
     unsafe fn finish(_: &Head6<S>, _: &Tok, _: usize, f: S::F) -> S::F {
         f
+    }
+}
+
+/// The order in which a Q6_K unit's sixteen 16-element groups enter the result:
+/// chunk `c` holds groups `[2c]` (its low nibbles) and `[2c + 1]` (high), see
+/// [`q6_chunk`].
+pub(crate) const Q6_GROUP_ORDER: [usize; 16] = {
+    let mut order = [0; 16];
+    let mut c = 0;
+    while c < 8 {
+        let (hf, tt, odd) = (c / 4, (c / 2) % 2, c % 2);
+        order[2 * c] = 8 * hf + 2 * odd + tt;
+        order[2 * c + 1] = 8 * hf + 2 * (odd + 2) + tt;
+        c += 1;
+    }
+    order
+};
+
+/// The running result with group `g` of unit `u` added, given its integer dot
+/// product with the `-32` offset folded in.
+#[inline(always)]
+pub(crate) unsafe fn fold6<S: Lanes>(h: &Head6<S>, a: &Tok, u: usize, g: usize, sub: S::I, f: S::F) -> S::F {
+    unsafe {
+        let dx = S::splat_f(*a.d.add(8 * u + g / 2));
+        S::fma_f(S::cvt(sub), S::mul_f(h.dsc[g], dx), f)
+    }
+}
+
+/// A Q6_K head from the four words of its scales and the word that ends with `d`.
+#[inline(always)]
+pub(crate) unsafe fn head6_words<S: Lanes>(s: [S::I; 4], dword: S::I) -> Head6<S> {
+    unsafe {
+        let d = S::f16_lo(S::srli::<16>(dword));
+        let mut dsc = [S::zero_f(); 16];
+        for k in 0..4 {
+            // Signed 8-bit scales; an f16 times one is exact in f32.
+            dsc[4 * k] = S::mul_f(d, S::cvt(S::srai::<24>(S::slli::<24>(s[k]))));
+            dsc[4 * k + 1] = S::mul_f(d, S::cvt(S::srai::<24>(S::slli::<16>(s[k]))));
+            dsc[4 * k + 2] = S::mul_f(d, S::cvt(S::srai::<24>(S::slli::<8>(s[k]))));
+            dsc[4 * k + 3] = S::mul_f(d, S::cvt(S::srai::<24>(s[k])));
+        }
+        Head6 { dsc }
+    }
+}
+
+#[inline(always)]
+unsafe fn chunk6<S: Lanes>(src: &Seg<S>, off: usize, c: usize) -> Chunk<S> {
+    unsafe {
+        let (h, tt, odd) = q6_chunk(c);
+        let ql = src.t4(off + 64 * h + 32 * odd + 16 * tt);
+        let qh = src.t4(off + 128 + 32 * h + 16 * tt);
+        let (m4, top) = (S::splat(LOW4), S::splat(0x3030_3030));
+        let mut w = [m4; 8];
+        for k in 0..4 {
+            let q = qh[k];
+            // Bits 2s..2s+2 of qh moved to bits 4..6, for s = odd and s = odd + 2.
+            let (hi_lo, hi_hi) = if odd == 0 { (S::slli::<4>(q), q) } else { (S::slli::<2>(q), S::srli::<2>(q)) };
+            w[k] = S::or(S::and(ql[k], m4), S::and(hi_lo, top));
+            w[4 + k] = S::or(S::and(S::srli::<4>(ql[k]), m4), S::and(hi_hi, top));
+        }
+        w
     }
 }

@@ -12,6 +12,9 @@
 //! - `kernel.rs`: the loops: one token streams a tile straight through (decode);
 //!   several share a panel unpacked once per tile (prefill, mixture-of-experts
 //!   batches), `GROUP` tokens per pass.
+//! - `rows.rs`: decode for Q4_K and Q6_K on AVX-512, reading each weight row front
+//!   to back and folding its integer sums into lanes afterwards, with the lane
+//!   kernels' arithmetic.
 //!
 //! Every ISA computes the same integers and the same f32 operations in the same
 //! order, lane by lane, so results are bitwise identical across ISAs, thread counts,
@@ -27,6 +30,8 @@ mod seg;
 
 #[cfg(target_arch = "aarch64")]
 mod neon;
+#[cfg(target_arch = "x86_64")]
+mod rows;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -140,7 +145,12 @@ fn kernel_for(isa: Isa, dtype: DType) -> (usize, TilesFn) {
     }
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => pick!(tiles_avx512, x86::Avx512),
+        Isa::Avx512 => match dtype {
+            // One-token calls read each row front to back (`rows.rs`).
+            DType::Q4K => (x86::Avx512::N, rows::tiles_q4k as TilesFn),
+            DType::Q6K => (x86::Avx512::N, rows::tiles_q6k as TilesFn),
+            _ => pick!(tiles_avx512, x86::Avx512),
+        },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if crate::isa::avx2_vnni() => pick!(tiles_avx2_vnni, x86::Avx2<true>),
         #[cfg(target_arch = "x86_64")]
