@@ -164,12 +164,13 @@ unsafe fn quantize_row_avx2(kind: ActKind, x: &[f32], r: RowOut, left: Option<&m
 fn quantize_row_generic(kind: ActKind, x: &[f32], r: RowOut, mut left: Option<&mut [f32]>) {
     let RowOut { xq, d, aux, sx, aux16 } = r;
     for (b, (xb, qb)) in x.chunks_exact(QB).zip(xq.chunks_exact_mut(QB)).enumerate() {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // Whole blocks, so the loops over them unroll and vectorise.
+        let (xb, qb): (&[f32; QB], &mut [i8; QB]) = (xb.try_into().unwrap(), qb.try_into().unwrap());
+        let amax = abs_max(xb);
         let db = amax / 127.0;
         let id = if db != 0.0 { 1.0 / db } else { 0.0 };
         for (q, &v) in qb.iter_mut().zip(xb) {
-            // `as` saturates (and maps NaN to 0); |v * id| <= 127 up to rounding anyway.
-            *q = (v * id).round_ties_even() as i8;
+            *q = to_code(v * id);
         }
         if let Some(left) = left.as_deref_mut() {
             // A product then a difference, each rounded once (Rust never fuses them).
@@ -189,11 +190,63 @@ fn quantize_row_generic(kind: ActKind, x: &[f32], r: RowOut, mut left: Option<&m
     }
 }
 
+/// `r` rounded half to even and converted as `as i8` would (saturating, NaN to 0),
+/// written so that the loop around it vectorises: `as i8` on a float does not.
+#[inline(always)]
+fn to_code(r: f32) -> i8 {
+    let r = r.round_ties_even();
+    let r = if r.is_nan() { 0.0 } else { r.clamp(-128.0, 127.0) };
+    // Safety: `r` is a whole number in i32's range.
+    unsafe { r.to_int_unchecked::<i32>() as i8 }
+}
+
+/// The largest `|x|`, NaNs ignored (0 if there is nothing else), as `f32::max`
+/// would fold it. Compared as bit patterns, which order non-negative floats as
+/// their values do, so the loop vectorises (a float max fold does not: its NaN
+/// rule fixes the order).
+#[inline(always)]
+fn abs_max(xb: &[f32]) -> f32 {
+    // Eight running maxima, one per lane of a vector.
+    let mut m = [0u32; 8];
+    for c in xb.chunks_exact(8) {
+        for (m, v) in m.iter_mut().zip(c) {
+            let b = v.to_bits() & 0x7FFF_FFFF;
+            // NaNs are the patterns above infinity's.
+            *m = (*m).max(if b > 0x7F80_0000 { 0 } else { b });
+        }
+    }
+    let tail = xb.chunks_exact(8).remainder().iter().map(|v| v.to_bits() & 0x7FFF_FFFF);
+    f32::from_bits(m.into_iter().chain(tail.map(|b| if b > 0x7F80_0000 { 0 } else { b })).max().unwrap_or(0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// Scales, round-half-even codes, and the block sums, on a hand-checkable block.
+    #[test]
+    fn abs_max_is_the_float_fold() {
+        let fold = |x: &[f32]| x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let cases: [&[f32]; 6] = [
+            &[1.0, -3.5, 2.0],
+            &[f32::NAN, -2.0, 1.0],
+            &[f32::NAN, -f32::NAN],
+            &[-0.0, 0.0],
+            &[f32::NEG_INFINITY, 7.0, f32::NAN],
+            &[1e-45, -1e-44, 0.0],
+        ];
+        for x in cases {
+            assert_eq!(abs_max(x).to_bits(), fold(x).to_bits(), "{x:?}");
+        }
+    }
+
+    #[test]
+    fn to_code_is_the_saturating_cast() {
+        for r in [0.0, -0.0, 0.5, 1.5, 2.5, -2.5, 126.5, 127.4, 127.5, 300.0, -128.5, -1e9, f32::INFINITY, f32::NAN] {
+            assert_eq!(to_code(r), r.round_ties_even() as i8, "{r}");
+        }
+    }
+
     #[test]
     fn quantizes_blocks_and_sums() {
         // Block 0: max |x| = 127 so d = 1 and codes are x rounded half to even;
