@@ -129,9 +129,9 @@ impl Ahead {
     }
 }
 
-/// Tile `i`'s rows: the first, and how many exist. The row pass reads row
-/// `first + min(r, valid - 1)` for lane `r`, so lanes past the matrix repeat its
-/// last row (their results are never stored).
+/// Tile `i`'s rows: the first, and how many exist. The row pass skips lanes past
+/// the matrix; their buffer rows hold whatever an earlier tile left (scratch memory
+/// is always initialised), and their results are never stored.
 fn tile_rows(job: &Job, i: usize) -> (usize, usize) {
     let first = i * N;
     (first, (job.w.rows - first).min(N))
@@ -191,8 +191,8 @@ unsafe fn q4k(job: &Job, tiles: Range<usize>) {
         let m4 = _mm512_set1_epi8(0x0F);
         for i in tiles {
             let (first, valid) = tile_rows(job, i);
-            for r in 0..N {
-                let row = job.w.data.as_ptr().add((first + r.min(valid - 1)) * rb);
+            for r in 0..valid {
+                let row = job.w.data.as_ptr().add((first + r) * rb);
                 let (heads, sums) = (b.row(1, r), b.row(2, r));
                 for u in 0..units {
                     let p = row.add(144 * u);
@@ -262,8 +262,8 @@ unsafe fn q6k(job: &Job, tiles: Range<usize>) {
         let (up_lo, down_hi) = (half(4, 2), half(0, 2));
         for i in tiles {
             let (first, valid) = tile_rows(job, i);
-            for r in 0..N {
-                let row = job.w.data.as_ptr().add((first + r.min(valid - 1)) * rb);
+            for r in 0..valid {
+                let row = job.w.data.as_ptr().add((first + r) * rb);
                 let (scales, dwords, sums) = (b.row(0, r), b.row(1, r), b.row(2, r));
                 for u in 0..units {
                     let p = row.add(210 * u);
