@@ -26,14 +26,20 @@ pub fn rms_norm(x: &mut [f32], group: usize, weight: Option<&[f32]>, offset: f32
 pub fn exp_fast(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
     // x = n ln2 + r, |r| <= ln2 / 2, with ln2 split in two for an exact r.
-    let n = (x * std::f32::consts::LOG2_E).round();
+    // Rounded to nearest (ties to even) by adding and removing 1.5 * 2^23: plain
+    // arithmetic, where `round` is a libm call on baseline x86-64 (no SSE4.1) and
+    // kept the loops around it scalar.
+    const MAGIC: f32 = 12_582_912.0;
+    let n = (x * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
     let r = (x - n * 0.693_145_75) - n * 1.428_606_8e-6;
     // e^r by its Taylor series to degree 7 (error < 2e-8 on the interval).
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    f32::from_bits(((n as i32 + 127) << 23) as u32) * p
+    // Safety: n is a whole number in [-126, 127] (x was clamped).
+    let n = unsafe { n.to_int_unchecked::<i32>() };
+    f32::from_bits(((n + 127) << 23) as u32) * p
 }
 
 /// tanh(x) = 1 - 2 / (e^{2x} + 1).
