@@ -120,6 +120,7 @@ impl QAct {
         a
     }
 
+    #[inline]
     pub fn tok(&self, i: usize) -> Tok {
         let b = i * self.blocks;
         Tok {
