@@ -32,8 +32,12 @@ fn generate(model: &Path, prompt: &str, chat: bool) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-fn ask(model: &Path, question: &str) -> String {
-    generate(model, question, true)
+/// Asks each question in chat and checks that the answer contains its expected text.
+fn answers(model: &Path, cases: &[(&str, &str)]) {
+    for (question, expected) in cases {
+        let answer = generate(model, question, true);
+        assert!(answer.contains(expected), "{question} -> {answer}");
+    }
 }
 
 #[test]
@@ -43,21 +47,26 @@ fn smollm2_answers_a_question() {
     // ("The" 25.33, "L" 25.24, then "L'Étoile, ..."): 8-bit activations throughout
     // flip it, as they do in llama.cpp with the same prompt; the default precision
     // (16-bit for the prompt's last token and decode) keeps it.
-    let answer = ask(&m, "What is the capital of France?");
-    assert!(answer.contains("Paris"), "{answer}");
-    let answer = ask(&m, "What is the capital of Germany?");
-    assert!(answer.contains("Berlin"), "{answer}");
-    let answer = ask(&m, "What is 2 + 2?");
-    assert!(answer.contains('4'), "{answer}");
+    answers(
+        &m,
+        &[
+            ("What is the capital of France?", "Paris"),
+            ("What is the capital of Germany?", "Berlin"),
+            ("What is 2 + 2?", "4"),
+        ],
+    );
 }
 
 #[test]
 fn qwen25_coder_answers_a_question() {
     let Some(m) = model("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen2.5-coder-1.5b") else { return };
-    let answer = ask(&m, "What is the capital of France?");
-    assert!(answer.contains("Paris"), "{answer}");
-    let answer = ask(&m, "Write a Python expression for the sum of the list xs.");
-    assert!(answer.contains("sum("), "{answer}");
+    answers(
+        &m,
+        &[
+            ("What is the capital of France?", "Paris"),
+            ("Write a Python expression for the sum of the list xs.", "sum("),
+        ],
+    );
 }
 
 #[test]

@@ -7,9 +7,10 @@ use sluice_core::{MatRef, Precision};
 ///
 /// Quantized weights are computed on in their blocks against activations quantized
 /// once per call to 8 bits, or with [`Precision::Accurate`] to 8 bits plus 8 for the
-/// remainder (the `quant` module's docs); f32, f16 and bf16 weights in f32. Every output is computed whole by one thread in a fixed order, so
-/// the result is bitwise the same for any thread count, for one token at a time or a
-/// batch (row `i` of a batch equals a call with row `i` alone), and for every ISA.
+/// remainder (the `quant` module's docs); f32, f16 and bf16 weights in f32. Every
+/// output is computed whole by one thread in a fixed order, so the result is bitwise
+/// the same for any thread count, for one token at a time or a batch (row `i` of a
+/// batch equals a call with row `i` alone), and for every ISA.
 pub fn matmul(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32], p: Precision) {
     let (rows, cols) = (w.rows, w.cols);
     assert_eq!(x.len(), n * cols, "matmul: input is not [{n}, {cols}]");

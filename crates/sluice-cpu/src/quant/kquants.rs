@@ -229,7 +229,7 @@ pub(crate) struct Head6<S: Lanes> {
 /// `[k]` is element `128h + 32s + 16t + 4k..` for `s = odd` (low nibbles) and
 /// `[4 + k]` the same for `s = odd + 2` (high nibbles).
 #[inline(always)]
-fn q6_chunk(c: usize) -> (usize, usize, usize) {
+const fn q6_chunk(c: usize) -> (usize, usize, usize) {
     (c / 4, (c / 2) % 2, c % 2)
 }
 
@@ -246,7 +246,21 @@ impl<S: Lanes> Kernel<S> for Q6K {
     }
     #[inline(always)]
     unsafe fn chunk(src: &Seg<S>, off: usize, c: usize, _: &Head6<S>) -> Chunk<S> {
-        unsafe { chunk6::<S>(src, off, c) }
+        unsafe {
+            let (h, tt, odd) = q6_chunk(c);
+            let ql = src.t4(off + 64 * h + 32 * odd + 16 * tt);
+            let qh = src.t4(off + 128 + 32 * h + 16 * tt);
+            let (m4, top) = (S::splat(LOW4), S::splat(0x3030_3030));
+            let mut w = [m4; 8];
+            for k in 0..4 {
+                let q = qh[k];
+                // Bits 2s..2s+2 of qh moved to bits 4..6, for s = odd and s = odd + 2.
+                let (hi_lo, hi_hi) = if odd == 0 { (S::slli::<4>(q), q) } else { (S::slli::<2>(q), S::srli::<2>(q)) };
+                w[k] = S::or(S::and(ql[k], m4), S::and(hi_lo, top));
+                w[4 + k] = S::or(S::and(S::srli::<4>(ql[k]), m4), S::and(hi_hi, top));
+            }
+            w
+        }
     }
     #[inline(always)]
     unsafe fn start(_: &Head6<S>, _: &Tok, _: usize, f: S::F) -> S::F {
@@ -282,7 +296,7 @@ pub(crate) const Q6_GROUP_ORDER: [usize; 16] = {
     let mut order = [0; 16];
     let mut c = 0;
     while c < 8 {
-        let (hf, tt, odd) = (c / 4, (c / 2) % 2, c % 2);
+        let (hf, tt, odd) = q6_chunk(c);
         order[2 * c] = 8 * hf + 2 * odd + tt;
         order[2 * c + 1] = 8 * hf + 2 * (odd + 2) + tt;
         c += 1;
@@ -314,24 +328,5 @@ pub(crate) unsafe fn head6_words<S: Lanes>(s: [S::I; 4], dword: S::I) -> Head6<S
             dsc[4 * k + 3] = S::mul_f(d, S::cvt(S::srai::<24>(s[k])));
         }
         Head6 { dsc }
-    }
-}
-
-#[inline(always)]
-unsafe fn chunk6<S: Lanes>(src: &Seg<S>, off: usize, c: usize) -> Chunk<S> {
-    unsafe {
-        let (h, tt, odd) = q6_chunk(c);
-        let ql = src.t4(off + 64 * h + 32 * odd + 16 * tt);
-        let qh = src.t4(off + 128 + 32 * h + 16 * tt);
-        let (m4, top) = (S::splat(LOW4), S::splat(0x3030_3030));
-        let mut w = [m4; 8];
-        for k in 0..4 {
-            let q = qh[k];
-            // Bits 2s..2s+2 of qh moved to bits 4..6, for s = odd and s = odd + 2.
-            let (hi_lo, hi_hi) = if odd == 0 { (S::slli::<4>(q), q) } else { (S::slli::<2>(q), S::srli::<2>(q)) };
-            w[k] = S::or(S::and(ql[k], m4), S::and(hi_lo, top));
-            w[4 + k] = S::or(S::and(S::srli::<4>(ql[k]), m4), S::and(hi_hi, top));
-        }
-        w
     }
 }

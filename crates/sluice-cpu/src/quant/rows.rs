@@ -62,8 +62,8 @@ fn buffer_tile(base: *const u8, stride: usize) -> Tile {
     Tile { base, offs, valid: N, bytes: stride, readable: stride }
 }
 
-/// What the row pass writes and the lane pass reads: buffers of sixteen rows each,
-/// in this thread's scratch memory.
+/// What the row pass writes and the lane pass reads, in this thread's scratch
+/// memory: a flat area, then buffers of sixteen rows each.
 struct Buffers {
     scratch: Scratch,
     /// Byte offset and row stride of each buffer.
@@ -71,16 +71,22 @@ struct Buffers {
 }
 
 impl Buffers {
-    /// Buffers of sixteen rows of `strides[i]` bytes each (multiples of 64).
-    fn new(strides: &[usize]) -> Buffers {
+    /// `flat` bytes, then buffers of sixteen rows of `strides[i]` bytes each
+    /// (multiples of 64).
+    fn new(flat: usize, strides: &[usize]) -> Buffers {
         let mut layout = Vec::with_capacity(strides.len());
-        let mut at = 0;
+        let mut at = flat.next_multiple_of(64);
         for &s in strides {
             debug_assert!(s.is_multiple_of(64));
             layout.push((at, s));
             at += N * s;
         }
         Buffers { scratch: Scratch::take(at), layout }
+    }
+
+    /// The flat area.
+    fn flat(&self) -> *mut u8 {
+        self.scratch.ptr()
     }
 
     /// Row `r` of buffer `i`.
@@ -177,12 +183,11 @@ unsafe fn q4k(job: &Job, tiles: Range<usize>) {
         let rb = job.w.row_bytes();
         let mut ahead = Ahead::new(job, &tiles);
         let tok = job.act.tok(0);
-        // Buffer 0: the activations permuted to meet the codes as they lie: 64-byte
-        // vector k of unit u is sub-blocks (0, 2), (1, 3), (4, 6), (5, 7) for k = 0..4
-        // (the buffer's rows end to end). Buffer 1: scale bytes, 16 per unit.
-        // Buffer 2: sub-block sums, 8 words per unit.
-        let b = Buffers::new(&[(units * 256).div_ceil(N).next_multiple_of(64), stride(units, 16), stride(units, 32)]);
-        let xp = b.row(0, 0);
+        // Flat: the activations permuted to meet the codes as they lie: 64-byte vector
+        // k of unit u is sub-blocks (0, 2), (1, 3), (4, 6), (5, 7) for k = 0..4.
+        // Buffer 0: scale bytes, 16 per unit. Buffer 1: sub-block sums, 8 words per unit.
+        let b = Buffers::new(units * 256, &[stride(units, 16), stride(units, 32)]);
+        let xp = b.flat();
         for u in 0..units {
             for (k, (j0, j1)) in [(0, 2), (1, 3), (4, 6), (5, 7)].into_iter().enumerate() {
                 let dst = xp.add(256 * u + 64 * k) as *mut i8;
@@ -195,7 +200,7 @@ unsafe fn q4k(job: &Job, tiles: Range<usize>) {
             let (first, valid) = tile_rows(job, i);
             for r in 0..valid {
                 let row = job.w.data.as_ptr().add((first + r) * rb);
-                let (heads, sums) = (b.row(1, r), b.row(2, r));
+                let (heads, sums) = (b.row(0, r), b.row(1, r));
                 for u in 0..units {
                     let p = row.add(144 * u);
                     ahead.upto(p as usize);
@@ -222,10 +227,10 @@ unsafe fn q4k(job: &Job, tiles: Range<usize>) {
             let (mut hw, mut sw) = ([S::splat(0); 16], [S::splat(0); 16]);
             for u in 0..units {
                 if u % 4 == 0 {
-                    S::transpose(&b.tile(1), 16 * u, hw.as_mut_ptr());
+                    S::transpose(&b.tile(0), 16 * u, hw.as_mut_ptr());
                 }
                 if u % 2 == 0 {
-                    S::transpose(&b.tile(2), 32 * u, sw.as_mut_ptr());
+                    S::transpose(&b.tile(1), 32 * u, sw.as_mut_ptr());
                 }
                 let k = 4 * (u % 4);
                 let h: HeadK<S> = head_k_words::<S>([hw[k], hw[k + 1], hw[k + 2], hw[k + 3]]);
@@ -255,7 +260,7 @@ unsafe fn q6k(job: &Job, tiles: Range<usize>) {
         let tok = job.act.tok(0);
         // Buffers: scales (16 bytes per unit), the word that ends with d (4 per unit),
         // and the sixteen group sums (64 bytes per unit).
-        let b = Buffers::new(&[stride(units, 16), stride(units, 4), stride(units, 64)]);
+        let b = Buffers::new(0, &[stride(units, 16), stride(units, 4), stride(units, 64)]);
         let (m4, m30) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
         // Shifts per 16-bit word that bring a code's two high bits to bits 4..6: the
         // low 256 bits of a vector hold elements l < 32 of a 64-element run, the high
