@@ -6,8 +6,8 @@ use sluice_core::{MatRef, Precision};
 /// `x` is `[n, w.cols]`, `out` is `[n, w.rows]`, both row-major.
 ///
 /// Quantized weights are computed on in their blocks against activations quantized
-/// once per call to 8 bits, or with [`Precision::Accurate`] to 8 bits plus 8 for the
-/// remainder (the `quant` module's docs); f32, f16 and bf16 weights in f32. Every
+/// once per call to 8 bits, or with [`Precision::Accurate`] to 16 (per block of 32
+/// elements; the `quant` module's docs); f32, f16 and bf16 weights in f32. Every
 /// output is computed whole by one thread in a fixed order, so the result is bitwise
 /// the same for any thread count, for one token at a time or a batch (row `i` of a
 /// batch equals a call with row `i` alone), and for every ISA.

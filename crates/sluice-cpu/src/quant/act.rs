@@ -1,4 +1,4 @@
-//! Activations quantized to 8 bits, twice, once per matmul.
+//! Activations quantized to 8 or 16 bits per block of 32, once per matmul.
 //!
 //! Every block of 32 inputs gets a scale `d = max|x| / 127` and
 //! `q = round_half_even(x / d)`, computed as `x * (1 / d)`; elements stay in their
@@ -9,19 +9,23 @@
 //! per block that erased half of a 1536-wide input and cost a mean KL of 0.13 on
 //! Qwen2.5-Coder-1.5B Q4_K_M; with 32 it is confined to a few small blocks.
 //!
-//! With `Precision::Accurate` each input row is quantized a second time: the
-//! remainder `x - d * q`, with its own scales (at most `d / 254` each). The kernels
-//! treat the two parts as two tokens and the matmul adds their outputs, so
-//! activations carry about 15 bits instead of 8. One part alone left SmolLM2-135M's
-//! logits up to 1.4 (5% of the largest) from the f32 reference over the same
-//! weights, enough to flip a greedy answer whose top two candidates were 0.08
-//! apart; with both parts the difference was 0.0065. In decode the second part
-//! cost 5-15% of the speed on a 2-core x86 machine (most of the time goes to
-//! reading, transposing and unpacking weights, which both parts share); in prefill,
-//! which is bound by the integer arithmetic, it about doubles the time.
+//! With `Precision::Accurate` each block is quantized to 16 bits instead, with
+//! `d = max|x| / 32512` (127 * 256) and `Q = round_half_even(x / d)`, and `Q` is
+//! split into a high and a low byte, `Q = 256 * hi + lo` (`hi` in -127..=127, `lo` in
+//! -128..=127), because the kernels multiply bytes. A kernel takes both byte dot
+//! products with the same unpacked weights and joins them as integers,
+//! `(w·hi << 8) + w·lo = w·Q` (exact: at most 2^28 in magnitude), before anything
+//! else, so everything after the integer sums (scaling, folding, the lane
+//! transposes of the row kernels) is done once, as for 8 bits. 8 bits left
+//! SmolLM2-135M's logits up to 1.4 (5% of the largest) from the f32 reference over
+//! the same weights, enough to flip a greedy answer whose top two candidates were
+//! 0.08 apart; with 16 the difference was a few thousandths. In decode the second
+//! byte costs one more `vpdpbusd` per four codes and a shift, a few percent (most of
+//! the time goes to reading and unpacking weights); in prefill, which is bound by
+//! that integer arithmetic, it about doubles the time.
 //!
 //! Alongside come the sums the weight formats fold in, so kernels never sum
-//! activations themselves:
+//! activations themselves (`q` is the 8- or 16-bit code):
 //!
 //! - offset formats (Q4_0, Q5_0, Q8_0 and MXFP4 are stored as unsigned codes
 //!   `c = q + off`): `aux = -off * sum(q)` per block, the start value of the block's
@@ -47,12 +51,13 @@ pub(crate) struct ActKind {
     pub sums16: bool,
 }
 
-/// `n` input rows of `cols` elements, quantized in one part or two (the row, then
-/// what the first part left over) as `parts * n` rows: part `p` of input row `i` is
-/// row `parts * i + p`.
+/// `n` input rows of `cols` elements, quantized to 8 bits (one byte of codes per
+/// element) or 16 (`parts == 2`: the high bytes, then the low ones).
 pub(crate) struct QAct {
     cols: usize,
     blocks: usize,
+    parts: usize,
+    /// `parts * n` rows of `cols` codes: input row `i`'s bytes `p` are row `parts * i + p`.
     xq: Vec<i8>,
     d: Vec<f32>,
     aux: Vec<i32>,
@@ -63,8 +68,10 @@ pub(crate) struct QAct {
 /// One token's quantized activations, as raw pointers for the kernels' inner loops.
 #[derive(Clone, Copy)]
 pub(crate) struct Tok {
-    /// `cols` codes, natural order.
+    /// `cols` codes, natural order: the 8-bit codes, or the high bytes of 16-bit ones.
     pub xq: *const i8,
+    /// The low bytes of 16-bit codes (null for 8 bits).
+    pub lo: *const i8,
     /// Per 32-element block: the scale, `-off * sum(q)`, and `d * sum(q)`.
     pub d: *const f32,
     pub aux: *const i32,
@@ -74,48 +81,36 @@ pub(crate) struct Tok {
 }
 
 impl QAct {
-    /// Quantizes `x` (`[n, cols]`), using several threads for long prefill batches.
+    /// Quantizes `x` (`[n, cols]`) to 8 bits per element (`parts == 1`) or 16 (`2`),
+    /// using several threads for long prefill batches.
     pub fn new(kind: ActKind, x: &[f32], n: usize, cols: usize, parts: usize) -> QAct {
         assert!(cols.is_multiple_of(QB) && x.len() == n * cols && (1..=2).contains(&parts));
         let blocks = cols / QB;
-        let n = parts * n;
         let per16 = if kind.sums16 { 2 * blocks } else { 0 };
         let mut a = QAct {
             cols,
             blocks,
-            xq: vec![0; n * cols],
+            parts,
+            xq: vec![0; parts * n * cols],
             d: vec![0.0; n * blocks],
             aux: vec![0; n * blocks],
             sx: vec![0.0; n * blocks],
             aux16: vec![0; n * per16],
         };
         let mut aux16 = a.aux16.chunks_mut(per16.max(1));
-        let rows =
-            a.xq.chunks_mut(cols)
-                .zip(a.d.chunks_mut(blocks))
-                .zip(a.aux.chunks_mut(blocks))
-                .zip(a.sx.chunks_mut(blocks))
-                .map(|(((xq, d), aux), sx)| RowOut { xq, d, aux, sx, aux16: aux16.next().unwrap_or_default() });
-        // Pair each input row with its two output rows.
-        let mut rows = rows;
-        let mut pairs = Vec::with_capacity(n / parts);
-        for x in x.chunks(cols) {
-            let first = rows.next().unwrap();
-            let rest = if parts == 2 { rows.next() } else { None };
-            pairs.push((x, first, rest));
-        }
-        let quantize = |(x, first, rest): (&[f32], RowOut, Option<RowOut>)| match rest {
-            Some(rest) => {
-                let mut left = vec![0f32; x.len()];
-                quantize_row(kind, x, first, Some(&mut left));
-                quantize_row(kind, &left, rest, None);
-            }
-            None => quantize_row(kind, x, first, None),
-        };
-        if n > parts && n * cols >= 1 << 16 {
-            pairs.into_par_iter().for_each(quantize);
+        let rows: Vec<_> = x
+            .chunks(cols)
+            .zip(a.xq.chunks_mut(parts * cols))
+            .zip(a.d.chunks_mut(blocks))
+            .zip(a.aux.chunks_mut(blocks))
+            .zip(a.sx.chunks_mut(blocks))
+            .map(|((((x, xq), d), aux), sx)| (x, RowOut { xq, d, aux, sx, aux16: aux16.next().unwrap_or_default() }))
+            .collect();
+        let quantize = |(x, r): (&[f32], RowOut)| quantize_row(kind, parts, x, r);
+        if n > 1 && parts * n * cols >= 1 << 16 {
+            rows.into_par_iter().for_each(quantize);
         } else {
-            pairs.into_iter().for_each(quantize);
+            rows.into_iter().for_each(quantize);
         }
         a
     }
@@ -123,8 +118,10 @@ impl QAct {
     #[inline]
     pub fn tok(&self, i: usize) -> Tok {
         let b = i * self.blocks;
+        let xq = self.xq[self.parts * i * self.cols..].as_ptr();
         Tok {
-            xq: self.xq[i * self.cols..].as_ptr(),
+            xq,
+            lo: if self.parts == 2 { xq.wrapping_add(self.cols) } else { std::ptr::null() },
             d: self.d[b..].as_ptr(),
             aux: self.aux[b..].as_ptr(),
             sx: self.sx[b..].as_ptr(),
@@ -133,7 +130,7 @@ impl QAct {
     }
 }
 
-/// Where one quantized row goes.
+/// Where one quantized row goes (`xq` holds `parts` rows of codes).
 struct RowOut<'a> {
     xq: &'a mut [i8],
     d: &'a mut [f32],
@@ -142,45 +139,61 @@ struct RowOut<'a> {
     aux16: &'a mut [i32],
 }
 
-/// Quantizes `x` into `r`, and writes `x - d * q` to `left` if given.
-fn quantize_row(kind: ActKind, x: &[f32], r: RowOut, left: Option<&mut [f32]>) {
+/// Quantizes `x` into `r`, to 8 bits or (`parts == 2`) 16.
+fn quantize_row(kind: ActKind, parts: usize, x: &[f32], r: RowOut) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx2") {
             // Same code, compiled with wider vectors; the arithmetic is exact or one
             // IEEE operation per element, so the result does not change.
-            return unsafe { quantize_row_avx2(kind, x, r, left) };
+            return unsafe { quantize_row_avx2(kind, parts, x, r) };
         }
     }
-    quantize_row_generic(kind, x, r, left)
+    quantize_row_generic(kind, parts, x, r)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_row_avx2(kind: ActKind, x: &[f32], r: RowOut, left: Option<&mut [f32]>) {
-    quantize_row_generic(kind, x, r, left)
+unsafe fn quantize_row_avx2(kind: ActKind, parts: usize, x: &[f32], r: RowOut) {
+    quantize_row_generic(kind, parts, x, r)
 }
 
+/// The largest 16-bit code, 127 * 256: its high byte rounds to 127.
+const Q16_MAX: f32 = 32512.0;
+
 #[inline(always)]
-fn quantize_row_generic(kind: ActKind, x: &[f32], r: RowOut, mut left: Option<&mut [f32]>) {
+fn quantize_row_generic(kind: ActKind, parts: usize, x: &[f32], r: RowOut) {
     let RowOut { xq, d, aux, sx, aux16 } = r;
-    for (b, (xb, qb)) in x.chunks_exact(QB).zip(xq.chunks_exact_mut(QB)).enumerate() {
+    let cols = x.len();
+    let (hi, lo) = xq.split_at_mut(cols);
+    for (b, xb) in x.chunks_exact(QB).enumerate() {
         // Whole blocks, so the loops over them unroll and vectorise.
-        let (xb, qb): (&[f32; QB], &mut [i8; QB]) = (xb.try_into().unwrap(), qb.try_into().unwrap());
+        let xb: &[f32; QB] = xb.try_into().unwrap();
+        let qb: &mut [i8; QB] = (&mut hi[QB * b..QB * b + QB]).try_into().unwrap();
         let amax = abs_max(xb);
-        let db = amax / 127.0;
-        let id = if db != 0.0 { 1.0 / db } else { 0.0 };
-        for (q, &v) in qb.iter_mut().zip(xb) {
-            *q = to_code(v * id);
-        }
-        if let Some(left) = left.as_deref_mut() {
-            // A product then a difference, each rounded once (Rust never fuses them).
-            for ((l, &v), &q) in left[QB * b..QB * b + QB].iter_mut().zip(xb).zip(qb.iter()) {
-                *l = v - db * q as f32;
+        let mut q = [0i32; QB];
+        let db = if parts == 1 {
+            let db = amax / 127.0;
+            let id = if db != 0.0 { 1.0 / db } else { 0.0 };
+            for ((c, q), &v) in qb.iter_mut().zip(&mut q).zip(xb) {
+                *c = to_code(v * id);
+                *q = *c as i32;
             }
-        }
-        let half = |h: usize| qb[16 * h..16 * h + 16].iter().map(|&q| q as i32).sum::<i32>();
-        let (s0, s1) = (half(0), half(1));
+            db
+        } else {
+            let lb: &mut [i8; QB] = (&mut lo[QB * b..QB * b + QB]).try_into().unwrap();
+            let db = amax / Q16_MAX;
+            let id = if db != 0.0 { 1.0 / db } else { 0.0 };
+            for (((h, l), q), &v) in qb.iter_mut().zip(lb.iter_mut()).zip(&mut q).zip(xb) {
+                *q = to_code16(v * id);
+                // Rounded high byte (-127..=127) and what is left (-128..=127).
+                let top = (*q + 128) >> 8;
+                *h = top as i8;
+                *l = (*q - 256 * top) as i8;
+            }
+            db
+        };
+        let (s0, s1) = (q[..16].iter().sum::<i32>(), q[16..].iter().sum::<i32>());
         d[b] = db;
         aux[b] = -kind.off * (s0 + s1);
         sx[b] = db * (s0 + s1) as f32;
@@ -189,6 +202,15 @@ fn quantize_row_generic(kind: ActKind, x: &[f32], r: RowOut, mut left: Option<&m
             aux16[2 * b + 1] = -32 * s1;
         }
     }
+}
+
+/// `r` rounded half to even and clamped to `±Q16_MAX` (NaN to 0), as [`to_code`].
+#[inline(always)]
+fn to_code16(r: f32) -> i32 {
+    let r = r.round_ties_even();
+    let r = if r.is_nan() { 0.0 } else { r.clamp(-Q16_MAX, Q16_MAX) };
+    // Safety: `r` is a whole number in i32's range.
+    unsafe { r.to_int_unchecked::<i32>() }
 }
 
 /// `r` rounded half to even and converted as `as i8` would (saturating, NaN to 0),
@@ -271,5 +293,37 @@ mod tests {
             assert_eq!(*t.sx, (s0 + s1) as f32);
             assert_eq!((*t.aux16, *t.aux16.add(1), *t.aux16.add(2)), (-32 * s0, -32 * s1, 0));
         }
+    }
+
+    /// 16-bit codes: the two bytes join to `round(x / d)` with `d = max|x| / 32512`,
+    /// the high byte is the rounded `Q / 256`, and the sums are of `Q`.
+    #[test]
+    fn sixteen_bits_split_into_two_bytes() {
+        let mut x: Vec<f32> = (0..64).map(|i| ((i * 37 % 64) as f32 - 31.7) * 0.013).collect();
+        x[5] = -1.5; // the block's largest, Q = -32512
+        x[40] = 2.0;
+        let a = QAct::new(ActKind { off: 16, sums16: true }, &x, 1, 64, 2);
+        let t = a.tok(0);
+        let (hi, lo) = unsafe { (std::slice::from_raw_parts(t.xq, 64), std::slice::from_raw_parts(t.lo, 64)) };
+        for b in 0..2 {
+            let xb = &x[32 * b..32 * b + 32];
+            let d = xb.iter().fold(0f32, |m, v| m.max(v.abs())) / 32512.0;
+            assert_eq!(unsafe { *t.d.add(b) }, d);
+            let q: Vec<i32> = (0..32).map(|i| (xb[i] * (1.0 / d)).round_ties_even() as i32).collect();
+            for i in 0..32 {
+                let (h, l) = (hi[32 * b + i] as i32, lo[32 * b + i] as i32);
+                assert_eq!(256 * h + l, q[i], "element {i} of block {b}");
+                assert!((q[i] - 256 * h).abs() <= 128, "element {i} of block {b}");
+                assert!((-127..=127).contains(&h));
+            }
+            let s: i32 = q.iter().sum();
+            unsafe {
+                assert_eq!(*t.aux.add(b), -16 * s);
+                assert_eq!(*t.sx.add(b), d * s as f32);
+                assert_eq!(*t.aux16.add(2 * b), -32 * q[..16].iter().sum::<i32>());
+            }
+        }
+        assert_eq!(hi[5], -127);
+        assert_eq!(hi[40], 127);
     }
 }

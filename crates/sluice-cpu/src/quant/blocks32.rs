@@ -14,8 +14,8 @@
 use sluice_core::quant::MXFP4_VALUES;
 
 use super::act::Tok;
-use super::kernel::{Chunk, Kernel};
-use super::lanes::{Lanes, spread4_bit4, word};
+use super::kernel::{Chunk, Kernel, dot4};
+use super::lanes::{Lanes, spread4_bit4};
 use super::seg::Seg;
 
 const LOW4: u32 = 0x0F0F_0F0F;
@@ -28,23 +28,14 @@ pub(crate) struct Head32<S: Lanes> {
     qh: S::I,
 }
 
-/// The integer dot product of a chunk with the block's 32 activation codes, on top of `acc`.
+/// The integer dot product of a chunk with the block's 32 activation elements from
+/// `e`, on top of `acc`.
 #[inline(always)]
-unsafe fn dot<S: Lanes, const FULL: bool>(w: &Chunk<S>, xq: *const i8, acc: S::I) -> S::I {
+unsafe fn dot<S: Lanes, const TWO: bool, const FULL: bool>(w: &Chunk<S>, a: &Tok, e: usize, acc: S::I) -> S::I {
     unsafe {
         // Two chains so that decode, with one token, is not latency-bound.
-        let mut a0 = acc;
-        let mut a1 = S::splat(0);
-        for k in 0..4 {
-            let (x0, x1) = (word(xq.add(4 * k)), word(xq.add(16 + 4 * k)));
-            if FULL {
-                a0 = S::dpbusd_full(a0, w[k], x0);
-                a1 = S::dpbusd_full(a1, w[4 + k], x1);
-            } else {
-                a0 = S::dpbusd(a0, w[k], x0);
-                a1 = S::dpbusd(a1, w[4 + k], x1);
-            }
-        }
+        let a0 = dot4::<S, TWO, FULL>(acc, [w[0], w[1], w[2], w[3]], a, e);
+        let a1 = dot4::<S, TWO, FULL>(S::splat(0), [w[4], w[5], w[6], w[7]], a, e + 16);
         S::add(a0, a1)
     }
 }
@@ -104,8 +95,15 @@ macro_rules! block32_common {
             unsafe { (if $min { S::splat(0) } else { S::splat(*a.aux.add(u) as u32) }, f) }
         }
         #[inline(always)]
-        unsafe fn step(w: &Chunk<S>, _: &Head32<S>, a: &Tok, u: usize, _: usize, (i, f): Acc32<S>) -> Acc32<S> {
-            unsafe { (dot::<S, $full>(w, a.xq.add(32 * u), i), f) }
+        unsafe fn step<const TWO: bool>(
+            w: &Chunk<S>,
+            _: &Head32<S>,
+            a: &Tok,
+            u: usize,
+            _: usize,
+            (i, f): Acc32<S>,
+        ) -> Acc32<S> {
+            unsafe { (dot::<S, TWO, $full>(w, a, 32 * u, i), f) }
         }
         #[inline(always)]
         unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {

@@ -7,7 +7,8 @@
 //! activations combine with them: a state started by `start` from the running f32
 //! result, advanced by `step` for each chunk (integer dot products, and for
 //! K-quants an f32 update per sub-block), and turned back into the running result
-//! by `finish`.
+//! by `finish`. `step` is compiled twice, for 8-bit activations and for 16-bit ones
+//! (`TWO`, two bytes per element, see `act.rs`), which [`dot4`] joins into one sum.
 //!
 //! The f32 result of an output depends only on the sequence of those calls, unit by
 //! unit and chunk by chunk in order, which is the same whether a tile is computed straight from the
@@ -16,7 +17,7 @@
 //! bit, and so do all thread counts (a tile is always computed whole by one thread).
 
 use super::act::Tok;
-use super::lanes::{Lanes, Tile};
+use super::lanes::{Lanes, Tile, word};
 use super::seg::{Seg, SegBuf, units_per_segment};
 
 pub(crate) type Chunk<S> = [<S as Lanes>::I; 8];
@@ -60,17 +61,64 @@ pub(crate) trait Kernel<S: Lanes> {
     unsafe fn chunk(src: &Seg<S>, off: usize, c: usize, h: &Self::Head) -> Chunk<S>;
     /// The state for unit `u` of token `a`, given the running result `f`.
     unsafe fn start(h: &Self::Head, a: &Tok, u: usize, f: S::F) -> Self::Acc;
-    unsafe fn step(w: &Chunk<S>, h: &Self::Head, a: &Tok, u: usize, c: usize, acc: Self::Acc) -> Self::Acc;
+    /// Chunk `c` of unit `u` against token `a`, whose activations have 16 bits if `TWO`.
+    unsafe fn step<const TWO: bool>(
+        w: &Chunk<S>,
+        h: &Self::Head,
+        a: &Tok,
+        u: usize,
+        c: usize,
+        acc: Self::Acc,
+    ) -> Self::Acc;
     /// The running result with unit `u` added.
     unsafe fn finish(h: &Self::Head, a: &Tok, u: usize, acc: Self::Acc) -> S::F;
+}
+
+/// `acc` plus the dot product of four words of codes with activation elements
+/// `e..e + 16` of `a` (word `k` with elements `e + 4k..`). With 16-bit activations
+/// (`TWO`) both bytes meet the same codes and are joined exactly,
+/// `acc + (w·hi << 8) + w·lo`; `FULL` as [`Lanes::dpbusd_full`].
+#[inline(always)]
+pub(crate) unsafe fn dot4<S: Lanes, const TWO: bool, const FULL: bool>(
+    acc: S::I,
+    w: [S::I; 4],
+    a: &Tok,
+    e: usize,
+) -> S::I {
+    unsafe {
+        let mut acc = acc;
+        if TWO {
+            let (hi, lo) = (a.xq.add(e), a.lo.add(e));
+            let mut t = S::splat(0);
+            for (k, &w) in w.iter().enumerate() {
+                t = dp::<S, FULL>(t, w, word(hi.add(4 * k)));
+            }
+            acc = S::add(acc, S::slli::<8>(t));
+            for (k, &w) in w.iter().enumerate() {
+                acc = dp::<S, FULL>(acc, w, word(lo.add(4 * k)));
+            }
+        } else {
+            let x = a.xq.add(e);
+            for (k, &w) in w.iter().enumerate() {
+                acc = dp::<S, FULL>(acc, w, word(x.add(4 * k)));
+            }
+        }
+        acc
+    }
+}
+
+/// [`Lanes::dpbusd`], or [`Lanes::dpbusd_full`] if `FULL`. (Not a closure: closures
+/// do not inherit the caller's target features, and their intrinsics stay calls.)
+#[inline(always)]
+unsafe fn dp<S: Lanes, const FULL: bool>(acc: S::I, w: S::I, x: u32) -> S::I {
+    unsafe { if FULL { S::dpbusd_full(acc, w, x) } else { S::dpbusd(acc, w, x) } }
 }
 
 /// How far past the window being transposed each row is prefetched (on Zen 5, 256
 /// bytes measured best of 256 to 4096).
 const PREFETCH_AHEAD: usize = 256;
 
-/// `C` tokens (one input row's quantized parts) against a tile, unpacking as it
-/// goes: the decode path.
+/// `C` tokens against a tile, unpacking as it goes: the decode path.
 ///
 /// Software-pipelined: while segment `s` is computed (vpdpbusd and FMA work), segment
 /// `s + 1` is transposed into the other buffer a window or two per unit (loads and
@@ -80,7 +128,7 @@ const PREFETCH_AHEAD: usize = 256;
 /// not run far enough ahead (measured on Zen 5: 2-thread decode from DRAM went from
 /// about 60% to 75-80% of the read bandwidth).
 #[inline(always)]
-pub(crate) unsafe fn direct<S: Lanes, K: Kernel<S>, const C: usize>(
+pub(crate) unsafe fn direct<S: Lanes, K: Kernel<S>, const C: usize, const TWO: bool>(
     t: &Tile,
     units: usize,
     toks: &[Tok; C],
@@ -133,7 +181,7 @@ pub(crate) unsafe fn direct<S: Lanes, K: Kernel<S>, const C: usize>(
                 each_token!(C, |c| acc[c] = K::start(&h, &toks[c], u, f[c]));
                 for ch in 0..K::CHUNKS {
                     let w = K::chunk(&seg, off, ch, &h);
-                    each_token!(C, |c| acc[c] = K::step(&w, &h, &toks[c], u, ch, acc[c]));
+                    each_token!(C, |c| acc[c] = K::step::<TWO>(&w, &h, &toks[c], u, ch, acc[c]));
                 }
                 each_token!(C, |c| f[c] = K::finish(&h, &toks[c], u, acc[c]));
             }
@@ -189,7 +237,7 @@ impl<S: Lanes, K: Kernel<S>> Panel<S, K> {
     /// `C` tokens (at most 8) against the panel, each output stored to
     /// `outs[c][0..valid]`.
     #[inline(always)]
-    pub unsafe fn group<const C: usize>(&self, toks: &[Tok; C], outs: [*mut f32; C], valid: usize) {
+    pub unsafe fn group<const C: usize, const TWO: bool>(&self, toks: &[Tok; C], outs: [*mut f32; C], valid: usize) {
         unsafe {
             let mut f = [S::zero_f(); C];
             for u in 0..self.units {
@@ -198,7 +246,7 @@ impl<S: Lanes, K: Kernel<S>> Panel<S, K> {
                 each_token!(C, |c| acc[c] = K::start(h, &toks[c], u, f[c]));
                 for ch in 0..K::CHUNKS {
                     let w = &*self.chunks.add(u * K::CHUNKS + ch);
-                    each_token!(C, |c| acc[c] = K::step(w, h, &toks[c], u, ch, acc[c]));
+                    each_token!(C, |c| acc[c] = K::step::<TWO>(w, h, &toks[c], u, ch, acc[c]));
                 }
                 each_token!(C, |c| f[c] = K::finish(h, &toks[c], u, acc[c]));
             }

@@ -15,8 +15,8 @@
 //! and `xsum` the sum of those activation codes (precomputed, `act.rs`).
 
 use super::act::Tok;
-use super::kernel::{Chunk, Kernel};
-use super::lanes::{Lanes, word};
+use super::kernel::{Chunk, Kernel, dot4};
+use super::lanes::Lanes;
 use super::seg::Seg;
 
 const LOW4: u32 = 0x0F0F_0F0F;
@@ -104,19 +104,24 @@ pub(crate) struct AccK<S: Lanes> {
 }
 
 #[inline(always)]
-unsafe fn step_k<S: Lanes>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
+unsafe fn step_k<S: Lanes, const TWO: bool>(
+    w: &Chunk<S>,
+    h: &HeadK<S>,
+    a: &Tok,
+    u: usize,
+    c: usize,
+    acc: AccK<S>,
+) -> AccK<S> {
     unsafe {
         let (p, hh) = (c / 2, c % 2);
-        let x = a.xq.add(256 * u + 64 * p + 16 * hh);
+        let e = 256 * u + 64 * p + 16 * hh;
         let AccK { mut f, mut lo, mut hi } = acc;
         if hh == 0 {
             lo = S::splat(0);
             hi = S::splat(0);
         }
-        for k in 0..4 {
-            lo = S::dpbusd(lo, w[k], word(x.add(4 * k)));
-            hi = S::dpbusd(hi, w[4 + k], word(x.add(32 + 4 * k)));
-        }
+        lo = dot4::<S, TWO, false>(lo, [w[0], w[1], w[2], w[3]], a, e);
+        hi = dot4::<S, TWO, false>(hi, [w[4], w[5], w[6], w[7]], a, e + 32);
         if hh == 1 {
             f = fold_k(h, a, u, p, lo, hi, f);
         }
@@ -176,8 +181,8 @@ impl<S: Lanes> Kernel<S> for Q4K {
         unsafe { AccK { f, lo: S::splat(0), hi: S::splat(0) } }
     }
     #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
-        unsafe { step_k::<S>(w, h, a, u, c, acc) }
+    unsafe fn step<const TWO: bool>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
+        unsafe { step_k::<S, TWO>(w, h, a, u, c, acc) }
     }
     #[inline(always)]
     unsafe fn finish(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>) -> S::F {
@@ -209,8 +214,8 @@ impl<S: Lanes> Kernel<S> for Q5K {
         unsafe { AccK { f, lo: S::splat(0), hi: S::splat(0) } }
     }
     #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
-        unsafe { step_k::<S>(w, h, a, u, c, acc) }
+    unsafe fn step<const TWO: bool>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
+        unsafe { step_k::<S, TWO>(w, h, a, u, c, acc) }
     }
     #[inline(always)]
     unsafe fn finish(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>) -> S::F {
@@ -267,17 +272,15 @@ impl<S: Lanes> Kernel<S> for Q6K {
         f
     }
     #[inline(always)]
-    unsafe fn step(w: &Chunk<S>, h: &Head6<S>, a: &Tok, u: usize, c: usize, f: S::F) -> S::F {
+    unsafe fn step<const TWO: bool>(w: &Chunk<S>, h: &Head6<S>, a: &Tok, u: usize, c: usize, f: S::F) -> S::F {
         unsafe {
             let mut f = f;
             for half in 0..2 {
                 let g = Q6_GROUP_ORDER[2 * c + half];
-                let x = a.xq.add(256 * u + 16 * g);
                 // The -32 offset of the codes, per 16 elements, from the activation side.
-                let mut sub = S::splat(*a.aux16.add(16 * u + g) as u32);
-                for k in 0..4 {
-                    sub = S::dpbusd(sub, w[4 * half + k], word(x.add(4 * k)));
-                }
+                let sub = S::splat(*a.aux16.add(16 * u + g) as u32);
+                let k = 4 * half;
+                let sub = dot4::<S, TWO, false>(sub, [w[k], w[k + 1], w[k + 2], w[k + 3]], a, 256 * u + 16 * g);
                 f = fold6(h, a, u, g, sub, f);
             }
             f

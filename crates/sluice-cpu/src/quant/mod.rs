@@ -1,7 +1,7 @@
 //! Matrix products on quantized weights, computed on the stored blocks.
 //!
-//! - `act.rs`: the activations, quantized once per matmul to 8 bits per 32-element
-//!   block, with the block sums each weight format folds in.
+//! - `act.rs`: the activations, quantized once per matmul to 8 or 16 bits per
+//!   32-element block, with the block sums each weight format folds in.
 //! - `lanes.rs`: the vector operations, one weight row per lane (16 rows per tile on
 //!   AVX-512), implemented in `x86.rs`, `neon.rs` and `scalar.rs`.
 //! - `seg.rs`: rows read a cache line at a time and transposed into lanes.
@@ -63,8 +63,9 @@ fn act_kind(dtype: DType) -> ActKind {
 struct Job<'a> {
     w: MatRef<'a>,
     act: &'a QAct,
-    /// Quantized rows (tokens as the kernels see them), `parts` per input row.
+    /// Input rows (tokens).
     n: usize,
+    /// Bytes per activation element: 1 (8 bits) or 2 (16).
     parts: usize,
     out: OutPtr,
 }
@@ -79,8 +80,6 @@ pub(crate) fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n: usize, outs: &mut [&m
         Precision::Fast => 1,
         Precision::Accurate => 2,
     };
-    // The kernels see each quantized part as a token of its own.
-    let m = parts * n;
     // One quantization of `x` per kind of activations the formats ask for.
     let mut acts: Vec<(ActKind, QAct)> = Vec::new();
     for w in ws {
@@ -89,10 +88,6 @@ pub(crate) fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n: usize, outs: &mut [&m
             acts.push((kind, QAct::new(kind, x, n, w.cols, parts)));
         }
     }
-    // With two parts, part outputs land in `split` (row `parts * i + p`) and are
-    // added afterwards.
-    let mut split: Vec<Vec<f32>> =
-        if parts == 1 { Vec::new() } else { ws.iter().map(|w| vec![0f32; m * w.rows]).collect() };
     // Every matrix's tiles in one index space, so one split of the threads covers all.
     let mut jobs = Vec::with_capacity(ws.len());
     let (mut tiles, mut cost) = (0, 0);
@@ -100,12 +95,12 @@ pub(crate) fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n: usize, outs: &mut [&m
         let kind = act_kind(w.dtype);
         let act = &acts.iter().find(|(k, _)| *k == kind).expect("quantized above").1;
         let (lanes, f) = kernel_for(isa(), w.dtype);
-        let out = if parts == 1 { OutPtr::new(outs[i], w.rows) } else { OutPtr::new(&mut split[i], w.rows) };
+        let out = OutPtr::new(outs[i], w.rows);
         let count = w.rows.div_ceil(lanes);
-        jobs.push((Job { w: *w, act, n: m, parts, out }, f, tiles..tiles + count));
+        jobs.push((Job { w: *w, act, n, parts, out }, f, tiles..tiles + count));
         tiles += count;
         // Work is counted in units of "weight bytes times tokens", what time follows.
-        cost += w.data.len() * m;
+        cost += w.data.len() * n;
     }
     for_each_range(tiles, cost, |r| {
         for (job, f, span) in &jobs {
@@ -115,14 +110,6 @@ pub(crate) fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n: usize, outs: &mut [&m
             }
         }
     });
-    for (out, (s, w)) in outs.iter_mut().zip(split.iter().zip(ws)) {
-        for (o, s) in out.chunks_mut(w.rows).zip(s.chunks(parts * w.rows)) {
-            let (first, rest) = s.split_at(w.rows);
-            for ((o, a), b) in o.iter_mut().zip(first).zip(rest) {
-                *o = a + b;
-            }
-        }
-    }
 }
 
 /// The tile width and tile function for an ISA and format.
@@ -195,8 +182,17 @@ unsafe fn tiles_scalar<K: Kernel<scalar::Scalar>>(job: &Job, tiles: Range<usize>
 /// Tokens per pass over a panel: as many accumulators as the registers hold.
 const GROUP: usize = 8;
 
+/// The tiles of a job on any ISA and format, through the lane kernels.
 #[inline(always)]
 unsafe fn run_tiles<S: Lanes, K: Kernel<S>>(job: &Job, tiles: Range<usize>) {
+    unsafe {
+        if job.parts == 2 { run_tiles_as::<S, K, true>(job, tiles) } else { run_tiles_as::<S, K, false>(job, tiles) }
+    }
+}
+
+/// [`run_tiles`] for 16-bit activations (`TWO`) or 8-bit ones.
+#[inline(always)]
+unsafe fn run_tiles_as<S: Lanes, K: Kernel<S>, const TWO: bool>(job: &Job, tiles: Range<usize>) {
     let w = job.w;
     let rb = w.row_bytes();
     let units = w.cols / K::UNIT_ELEMS;
@@ -205,11 +201,11 @@ unsafe fn run_tiles<S: Lanes, K: Kernel<S>>(job: &Job, tiles: Range<usize>) {
     unsafe {
         // One input row: straight from the weights, no panel.
         if job.n == 1 {
-            direct_row::<S, K, 1>(job, tiles, units, rb);
-            return;
-        }
-        if job.n == 2 && job.parts == 2 {
-            direct_row::<S, K, 2>(job, tiles, units, rb);
+            let toks = [job.act.tok(0)];
+            for i in tiles {
+                let t = Tile::new(w.data, rb, rows, i * S::N, S::N);
+                direct::<S, K, 1, TWO>(&t, units, &toks, [job.out.at(0, i * S::N)]);
+            }
             return;
         }
         // Not a closure: closures do not inherit this function's target features.
@@ -222,32 +218,22 @@ unsafe fn run_tiles<S: Lanes, K: Kernel<S>>(job: &Job, tiles: Range<usize>) {
                 let left = job.n - c;
                 // Largest group that fits, so any n is covered without dummy tokens.
                 c += if left >= GROUP {
-                    group::<S, K, GROUP>(&panel, job, c, i, t.valid)
+                    group::<S, K, GROUP, TWO>(&panel, job, c, i, t.valid)
                 } else if left >= 4 {
-                    group::<S, K, 4>(&panel, job, c, i, t.valid)
+                    group::<S, K, 4, TWO>(&panel, job, c, i, t.valid)
                 } else if left >= 2 {
-                    group::<S, K, 2>(&panel, job, c, i, t.valid)
+                    group::<S, K, 2, TWO>(&panel, job, c, i, t.valid)
                 } else {
-                    group::<S, K, 1>(&panel, job, c, i, t.valid)
+                    group::<S, K, 1, TWO>(&panel, job, c, i, t.valid)
                 };
             }
         }
     }
 }
 
-/// One input row's `C` parts against `tiles`, each unpacked as it is read.
-#[inline(always)]
-unsafe fn direct_row<S: Lanes, K: Kernel<S>, const C: usize>(job: &Job, tiles: Range<usize>, units: usize, rb: usize) {
-    let toks: [Tok; C] = std::array::from_fn(|c| job.act.tok(c));
-    for i in tiles {
-        let outs = std::array::from_fn(|c| job.out.at(c, i * S::N));
-        unsafe { direct::<S, K, C>(&Tile::new(job.w.data, rb, job.w.rows, i * S::N, S::N), units, &toks, outs) };
-    }
-}
-
 /// Tokens `c0..c0 + C` against tile `i`'s panel; returns `C`.
 #[inline(always)]
-unsafe fn group<S: Lanes, K: Kernel<S>, const C: usize>(
+unsafe fn group<S: Lanes, K: Kernel<S>, const C: usize, const TWO: bool>(
     panel: &Panel<S, K>,
     job: &Job,
     c0: usize,
@@ -256,7 +242,7 @@ unsafe fn group<S: Lanes, K: Kernel<S>, const C: usize>(
 ) -> usize {
     let toks: [Tok; C] = std::array::from_fn(|c| job.act.tok(c0 + c));
     let outs = std::array::from_fn(|c| job.out.at(c0 + c, i * S::N));
-    unsafe { panel.group::<C>(&toks, outs, valid) };
+    unsafe { panel.group::<C, TWO>(&toks, outs, valid) };
     C
 }
 

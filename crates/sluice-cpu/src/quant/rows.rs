@@ -1,5 +1,5 @@
-//! Decode (one input row, 8-bit activations) on AVX-512 for Q4_K and Q6_K, reading
-//! each weight row front to back.
+//! Decode (one input row) on AVX-512 for Q4_K and Q6_K, reading each weight row
+//! front to back.
 //!
 //! The lane kernels (`kernel.rs`) read a tile's sixteen rows side by side, a cache
 //! line of each in turn, so a thread's share of a matrix is sixteen interleaved
@@ -20,10 +20,9 @@
 //! The integer pass is also cheaper than unpacking transposed weights (the codes
 //! meet the activations as they lie, or in a per-call permutation of them): decode
 //! on cached weights ran 20-50% faster. From memory, a Qwen2.5-1.5B decode step's
-//! matmuls ran about 7% faster at one and two threads. With two activation parts
-//! (`Precision::Accurate`) each part needs its own reductions and transposes, more
-//! than the lane kernels' shared unpacking costs: a two-part version measured 0.99x
-//! (two threads) and 0.96x (one), so two parts stay with the lane kernels.
+//! matmuls ran about 7% faster at one and two threads. 16-bit activations
+//! (`Precision::Accurate`) take a second `vpdpbusd` per four codes and join the two
+//! bytes' sums before anything else (`act.rs`), so the rest is shared with 8 bits.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -43,17 +42,28 @@ const N: usize = 16;
 /// bandwidth).
 const AHEAD: usize = 8 << 10;
 
-/// Q4_K on AVX-512: the row-wise kernel for one token in one part, the lane
-/// kernels otherwise.
+/// Q4_K on AVX-512: the row-wise kernel for one token, the lane kernels for several.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn tiles_q4k(job: &Job, tiles: Range<usize>) {
-    unsafe { if job.n == 1 { q4k(job, tiles) } else { run_tiles::<S, Q4K>(job, tiles) } }
+    unsafe {
+        match (job.n, job.parts) {
+            (1, 1) => q4k::<false>(job, tiles),
+            (1, _) => q4k::<true>(job, tiles),
+            _ => run_tiles::<S, Q4K>(job, tiles),
+        }
+    }
 }
 
 /// Q6_K on AVX-512, as [`tiles_q4k`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn tiles_q6k(job: &Job, tiles: Range<usize>) {
-    unsafe { if job.n == 1 { q6k(job, tiles) } else { run_tiles::<S, Q6K>(job, tiles) } }
+    unsafe {
+        match (job.n, job.parts) {
+            (1, 1) => q6k::<false>(job, tiles),
+            (1, _) => q6k::<true>(job, tiles),
+            _ => run_tiles::<S, Q6K>(job, tiles),
+        }
+    }
 }
 
 /// Sixteen rows of `stride` bytes each from `base`, for [`Lanes::transpose`].
@@ -146,13 +156,19 @@ fn tile_rows(job: &Job, i: usize) -> (usize, usize) {
 }
 
 /// The dot products of four vectors of codes with the four 64-byte vectors of
-/// activations at `x`, four bytes per lane.
+/// activations at `x`, four bytes per lane; with 16-bit activations (`TWO`) those
+/// are the high bytes, the low ones are at `lo`, and each product is
+/// `(w·hi << 8) + w·lo`.
 #[inline(always)]
-unsafe fn dots(codes: &[__m512i; 4], x: *const u8) -> [__m512i; 4] {
+unsafe fn dots<const TWO: bool>(codes: &[__m512i; 4], x: *const u8, lo: *const u8) -> [__m512i; 4] {
     unsafe {
         let mut v = [_mm512_setzero_si512(); 4];
         for k in 0..4 {
             v[k] = _mm512_dpbusd_epi32(v[k], codes[k], _mm512_loadu_si512(x.add(64 * k) as *const _));
+            if TWO {
+                v[k] = _mm512_slli_epi32::<8>(v[k]);
+                v[k] = _mm512_dpbusd_epi32(v[k], codes[k], _mm512_loadu_si512(lo.add(64 * k) as *const _));
+            }
         }
         v
     }
@@ -177,22 +193,27 @@ unsafe fn sum_chunks(v: [__m512i; 4]) -> __m512i {
 const Q4K_WORD: [usize; 8] = [0, 1, 4, 5, 2, 3, 6, 7];
 
 #[inline(always)]
-unsafe fn q4k(job: &Job, tiles: Range<usize>) {
+unsafe fn q4k<const TWO: bool>(job: &Job, tiles: Range<usize>) {
     unsafe {
         let units = job.w.cols / 256;
         let rb = job.w.row_bytes();
         let mut ahead = Ahead::new(job, &tiles);
         let tok = job.act.tok(0);
         // Flat: the activations permuted to meet the codes as they lie: 64-byte vector
-        // k of unit u is sub-blocks (0, 2), (1, 3), (4, 6), (5, 7) for k = 0..4.
+        // k of unit u is sub-blocks (0, 2), (1, 3), (4, 6), (5, 7) for k = 0..4 (and for
+        // 16 bits the low bytes the same way after them, 512 bytes per unit).
         // Buffer 0: scale bytes, 16 per unit. Buffer 1: sub-block sums, 8 words per unit.
-        let b = Buffers::new(units * 256, &[stride(units, 16), stride(units, 32)]);
+        let ub = if TWO { 512 } else { 256 };
+        let b = Buffers::new(units * ub, &[stride(units, 16), stride(units, 32)]);
         let xp = b.flat();
+        let planes: &[*const i8] = if TWO { &[tok.xq, tok.lo] } else { &[tok.xq] };
         for u in 0..units {
-            for (k, (j0, j1)) in [(0, 2), (1, 3), (4, 6), (5, 7)].into_iter().enumerate() {
-                let dst = xp.add(256 * u + 64 * k) as *mut i8;
-                std::ptr::copy_nonoverlapping(tok.xq.add(256 * u + 32 * j0), dst, 32);
-                std::ptr::copy_nonoverlapping(tok.xq.add(256 * u + 32 * j1), dst.add(32), 32);
+            for (plane, &src) in planes.iter().enumerate() {
+                for (k, (j0, j1)) in [(0, 2), (1, 3), (4, 6), (5, 7)].into_iter().enumerate() {
+                    let dst = xp.add(ub * u + 256 * plane + 64 * k) as *mut i8;
+                    std::ptr::copy_nonoverlapping(src.add(256 * u + 32 * j0), dst, 32);
+                    std::ptr::copy_nonoverlapping(src.add(256 * u + 32 * j1), dst.add(32), 32);
+                }
             }
         }
         let m4 = _mm512_set1_epi8(0x0F);
@@ -215,7 +236,8 @@ unsafe fn q4k(job: &Job, tiles: Range<usize>) {
                     ];
                     // Chunks 0 and 1 hold halves of sub-blocks (0, 1, 4, 5), chunks 2 and
                     // 3 of (2, 3, 6, 7): add the halves.
-                    let s = sum_chunks(dots(&codes, xp.add(256 * u)));
+                    let x = xp.add(ub * u);
+                    let s = sum_chunks(dots::<TWO>(&codes, x, x.wrapping_add(256)));
                     let t = _mm512_add_epi32(
                         _mm512_shuffle_i32x4::<0b10_00_10_00>(s, s),
                         _mm512_shuffle_i32x4::<0b11_01_11_01>(s, s),
@@ -252,7 +274,7 @@ unsafe fn q4k(job: &Job, tiles: Range<usize>) {
 // 2s..2s + 2 of `qh[32h + l']`.
 
 #[inline(always)]
-unsafe fn q6k(job: &Job, tiles: Range<usize>) {
+unsafe fn q6k<const TWO: bool>(job: &Job, tiles: Range<usize>) {
     unsafe {
         let units = job.w.cols / 256;
         let rb = job.w.row_bytes();
@@ -289,7 +311,8 @@ unsafe fn q6k(job: &Job, tiles: Range<usize>) {
                         codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4), hi_hi);
                     }
                     // Chunk q of dot m is group 4m + q; its sum lands in word 4q + m.
-                    let v = dots(&codes, tok.xq.add(256 * u) as *const u8);
+                    let (x, lo) = (tok.xq.add(256 * u) as *const u8, tok.lo.wrapping_add(256 * u) as *const u8);
+                    let v = dots::<TWO>(&codes, x, lo);
                     _mm512_storeu_si512(sums.add(64 * u) as *mut _, sum_chunks(v));
                 }
             }
