@@ -76,9 +76,9 @@ pub struct EngineArgs {
     #[arg(long)]
     pub no_direct_io: bool,
     /// Activations against quantized weights: fast (8 bits, as llama.cpp), accurate
-    /// (8 + 8 bits, logits within a few thousandths of f32; prefill about half as
-    /// fast), or auto (accurate for decode steps and the prompt's last token, where
-    /// it costs 5-15% of decode speed; fast for the rest of the prompt)
+    /// (16 bits, logits within a few thousandths of f32; prefill 6-24% slower), or
+    /// auto (accurate for decode steps and the prompt's last token, where it costs
+    /// at most a few percent; fast for the rest of the prompt)
     #[arg(long, value_enum, default_value_t = PrecisionArg::Auto)]
     pub precision: PrecisionArg,
 }

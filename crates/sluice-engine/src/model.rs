@@ -47,8 +47,9 @@ pub struct Model<B: Backend = Cpu> {
     pub prefetch: Prefetch,
     /// Activation precision of quantized matrix products. `None` (the default) picks
     /// per step: [`Precision::Accurate`] for one token (a decode step, mostly
-    /// reading and unpacking weights, where it cost 5-15%) and [`Precision::Fast`]
-    /// for several (a prefill, bound by arithmetic, where it would cost half). A prompt's
+    /// reading and unpacking weights, where it costs at most a few percent) and
+    /// [`Precision::Fast`] for several (a prefill, bound by arithmetic, where it
+    /// would cost 6-24%). A prompt's
     /// last token is then run on its own ([`Session::prefill`]), so every sampled
     /// token comes from accurate logits.
     pub precision: Option<Precision>,
