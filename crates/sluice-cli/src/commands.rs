@@ -15,7 +15,7 @@ use sluice_formats::Checkpoint;
 use sluice_formats::gguf::GgufFile;
 use sluice_tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
-use crate::{EngineArgs, LogitsMode, PolicyArg, PrecisionArg, PrefetchArg, ResidencyArg};
+use crate::{EngineArgs, LogitsMode, PolicyArg, PrecisionArg, PrefetchArg, ResidencyArg, WeightsArg};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -119,32 +119,50 @@ fn init_threads(n: Option<usize>) -> Result<usize> {
     Ok(n)
 }
 
-fn load_model(e: &EngineArgs) -> Result<(Model, f64)> {
+/// A loaded model, the seconds its loading took, and where its weights live
+/// ("memory" or "mapped").
+struct Loaded {
+    model: Model,
+    load_s: f64,
+    weights: &'static str,
+}
+
+fn load_model(e: &EngineArgs) -> Result<Loaded> {
     let t = Instant::now();
-    let ckpt = Checkpoint::open(&e.model)?;
-    let opts = load_options(e, &ckpt)?;
-    let total = ckpt.tensors().iter().map(|t| t.len_bytes() as u64).sum::<u64>();
-    let bar = (opts.store.residency == Residency::Resident && std::io::stderr().is_terminal()).then(|| {
-        let b = indicatif::ProgressBar::new(total);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "loading experts {bar:40} {binary_bytes}/{binary_total_bytes} {eta}",
-            )
-            .expect("a valid template"),
-        );
-        b
-    });
-    let mut progress = |done: u64, all: u64| {
-        if let Some(b) = &bar {
+    let mut ckpt = Checkpoint::open(&e.model)?;
+    let (opts, copy) = load_options(e, &ckpt)?;
+    let bar = |what: &'static str| {
+        std::io::stderr().is_terminal().then(|| {
+            let b = indicatif::ProgressBar::new(0);
+            b.set_style(
+                indicatif::ProgressStyle::with_template(&format!(
+                    "loading {what} {{bar:40}} {{binary_bytes}}/{{binary_total_bytes}} {{eta}}"
+                ))
+                .expect("a valid template"),
+            );
+            b
+        })
+    };
+    let show = |b: &Option<indicatif::ProgressBar>, done: u64, all: u64| {
+        if let Some(b) = b {
             b.set_length(all);
             b.set_position(done);
         }
     };
+    if copy {
+        let b = bar("weights");
+        ckpt.copy_to_memory(&mut |done, all| show(&b, done, all))?;
+        if let Some(b) = b {
+            b.finish_and_clear();
+        }
+    }
+    let b = if opts.store.residency == Residency::Resident { bar("experts") } else { None };
+    let mut progress = |done: u64, all: u64| show(&b, done, all);
     let model = Model::load_with(Cpu::default(), &ckpt, &opts, Some(&mut progress))?;
-    if let Some(b) = bar {
+    if let Some(b) = b {
         b.finish_and_clear();
     }
-    Ok((model, t.elapsed().as_secs_f64()))
+    Ok(Loaded { model, load_s: t.elapsed().as_secs_f64(), weights: if copy { "memory" } else { "mapped" } })
 }
 
 /// Bytes the kernel says can be allocated without swapping (`MemAvailable`).
@@ -185,8 +203,9 @@ fn parse_cache(s: &str) -> Result<CacheBudget> {
 }
 
 /// Turns the residency flags into a store configuration, deciding `auto` from the
-/// model's size, the memory available and `--expert-cache`.
-fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<LoadOptions> {
+/// model's size, the memory available and `--expert-cache`, and decides whether the
+/// weights are copied into memory (`--weights`).
+fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<(LoadOptions, bool)> {
     let layout = ExpertLayout::from_checkpoint(ckpt)?;
     let experts = layout.expert_bytes_total();
     let total: u64 = ckpt.tensors().iter().map(|t| t.len_bytes() as u64).sum();
@@ -259,7 +278,22 @@ fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<LoadOptions> {
         PrecisionArg::Fast => Some(Precision::Fast),
         PrecisionArg::Accurate => Some(Precision::Accurate),
     };
-    Ok(LoadOptions { store, prefetch, precision })
+    if e.weights == WeightsArg::Memory && experts > 0 && residency != Residency::Mapped {
+        return Err(Error::Usage(format!(
+            "--weights memory copies whole files, routed experts included; with --residency {} they are {} \
+             instead (use --weights auto or mapped, or --residency mapped)",
+            residency.name(),
+            if residency == Residency::Streamed { "read from the file" } else { "copied by the expert store" }
+        )));
+    }
+    let copy = match e.weights {
+        WeightsArg::Memory => true,
+        WeightsArg::Mapped => false,
+        // Experts are mapped, streamed or copied by the expert store; a copy of
+        // everything would defeat the first two and double the third.
+        WeightsArg::Auto => experts == 0 && avail.is_some_and(|a| (total as f64) < a as f64 * 0.8),
+    };
+    Ok((LoadOptions { store, prefetch, precision }, copy))
 }
 
 /// Saves the routing histogram if `--record-routing` asked for it.
@@ -336,7 +370,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     if a.chat {
         ensure_chat_template(&mut tok, a.chat_template.as_deref())?;
     }
-    let (model, load_s) = load_model(&a.engine)?;
+    let Loaded { model, load_s, weights } = load_model(&a.engine)?;
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
     });
@@ -432,6 +466,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             "isa": format!("{:?}", sluice_cpu::isa()),
             "seed": seed,
             "precision": precision_name(&model),
+            "weights": weights,
             "load_s": load_s,
             "prompt_tokens": prompt_tokens,
             "generated_tokens": generated,
@@ -485,7 +520,7 @@ fn parse_tokens(s: &str) -> Result<Vec<u32>> {
 pub fn logits(a: LogitsArgs) -> Result<()> {
     let tokens = parse_tokens(&a.tokens)?;
     init_threads(a.engine.threads)?;
-    let (model, _) = load_model(&a.engine)?;
+    let model = load_model(&a.engine)?.model;
     let mut s = model.session();
     let logits = match a.mode {
         LogitsMode::Prefill => s.forward(&tokens, Logits::All)?,
@@ -559,7 +594,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         return Err(Error::Usage("--repeat, --prompt-tokens and --gen-tokens must be at least 1".into()));
     }
     let threads = init_threads(a.engine.threads)?;
-    let (model, load_s) = load_model(&a.engine)?;
+    let Loaded { model, load_s, weights } = load_model(&a.engine)?;
     let vocab = model.spec.vocab_size;
     let mut runs = Vec::new();
     let mut last = None;
@@ -639,6 +674,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "threads": threads,
             "isa": format!("{:?}", sluice_cpu::isa()),
             "precision": precision_name(&model),
+            "weights": weights,
             "load_s": load_s,
             "prompt_tokens": a.prompt_tokens,
             "gen_tokens": a.gen_tokens,
@@ -664,11 +700,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("{j}");
     } else {
         println!(
-            "{}: {} threads ({:?}), {} precision, experts {}",
+            "{}: {} threads ({:?}), {} precision, weights {}, experts {}",
             a.engine.model.display(),
             threads,
             sluice_cpu::isa(),
             precision_name(&model),
+            weights,
             model.store.residency().name()
         );
         println!("prompt  {:>6} tokens  {:>9.1} tok/s  (median of {})", a.prompt_tokens, p, a.repeat);

@@ -74,6 +74,50 @@ fn logits_both_modes_match_reference() {
     }
 }
 
+/// `--weights memory` (every file read into sluice's own memory) gives bitwise the
+/// logits of `--weights mapped` and matches the reference: a sharded dense model
+/// (four files copied) and a MoE model with mapped experts. With streamed experts
+/// it is refused, naming the flag.
+#[test]
+fn weights_in_memory_equal_mapped() {
+    for (name, extra) in [("gemma4-dense", &[][..]), ("qwen3-moe", &["--residency", "mapped"][..])] {
+        let (tokens, want, _) = reference(name);
+        let ids = tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+        let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let mut outs = Vec::new();
+        for weights in ["memory", "mapped"] {
+            let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-weights-{weights}.f32"));
+            let model = fixture(name);
+            let mut args = vec!["logits", "--model", model.to_str().unwrap(), "--tokens", &ids];
+            args.extend(["--out", out.to_str().unwrap(), "--weights", weights]);
+            args.extend(extra);
+            let o = sluice(&args);
+            assert!(o.status.success(), "{name} {weights}: {}", String::from_utf8_lossy(&o.stderr));
+            let got = read_f32(&out);
+            assert_eq!(got.len(), want.len(), "{name} {weights}: [n_tokens, vocab]");
+            let diff = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(diff <= 1e-3 * max_ref, "{name} {weights}: {diff} > 1e-3 x {max_ref}");
+            outs.push(got);
+        }
+        assert!(outs[0].iter().zip(&outs[1]).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: memory != mapped");
+    }
+    let m = fixture("qwen3-moe");
+    let o = sluice(&[
+        "logits",
+        "--model",
+        m.to_str().unwrap(),
+        "--tokens",
+        "1,2",
+        "--out",
+        "/tmp/never",
+        "--weights",
+        "memory",
+        "--residency",
+        "streamed",
+    ]);
+    assert_one_error(&o, "--weights memory");
+}
+
 #[test]
 fn tokenize_matches_hugging_face() {
     for name in ["gemma4-moe", "gemma4-dense", "qwen3", "llama"] {

@@ -2,11 +2,12 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use sluice_core::{DType, Error, Family, ModelSpec, MoeSpec, Result};
 
 use crate::gguf::{GgufFile, has_gguf_magic};
-use crate::mapped::TensorView;
+use crate::mapped::{MappedFile, TensorView};
 use crate::names::{TensorId, TensorKind, gguf_name, hf_name};
 use crate::pack::{self, PackInfo};
 use crate::{gguf_config, hf_config, safetensors};
@@ -223,6 +224,30 @@ impl Checkpoint {
                 })
             })
             .collect()
+    }
+
+    /// Moves every tensor onto a copy of its file in this process's memory
+    /// ([`MappedFile::copy_to_memory`]), each file read once. `progress` gets the bytes
+    /// copied so far and the total.
+    pub fn copy_to_memory(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+        let mut files: Vec<Arc<MappedFile>> = Vec::new();
+        for t in self.tensors.values() {
+            if !files.iter().any(|f| Arc::ptr_eq(f, t.file())) {
+                files.push(t.file().clone());
+            }
+        }
+        let total: u64 = files.iter().map(|f| f.len() as u64).sum();
+        let mut done = 0;
+        let mut copies = Vec::with_capacity(files.len());
+        for f in &files {
+            copies.push(f.copy_to_memory(&mut |n| progress(done + n, total))?);
+            done += f.len() as u64;
+        }
+        for t in self.tensors.values_mut() {
+            let i = files.iter().position(|f| Arc::ptr_eq(f, t.file())).expect("collected above");
+            *t = t.with_file(copies[i].clone());
+        }
+        Ok(())
     }
 
     /// Every tensor, sorted by name.

@@ -301,3 +301,29 @@ fn ggml_type_ids_match_gguf_py() {
     assert_eq!(ggml_type_name(16), Some("IQ2_XXS"));
     assert_eq!(ggml_type_name(1000), None);
 }
+
+/// A mapped file copied into memory holds the same bytes under the same path, and
+/// the copy refuses a file that changed size after it was opened.
+#[test]
+fn a_copy_in_memory_is_the_file() {
+    let path = tmp("copy.gguf");
+    let data = pattern(DType::Q8_0.bytes_for(40 * 1024).unwrap(), 3);
+    let mut w = GgufWriter::new();
+    w.add_str("general.architecture", "test");
+    w.add_tensor("q8_0", DType::Q8_0, &[40, 1024], data.as_slice());
+    w.write(&path).unwrap();
+    let g = GgufFile::open(&path).unwrap();
+    let file = g.tensors()[0].file().clone();
+    let mut seen = Vec::new();
+    let copy = file.copy_to_memory(&mut |n| seen.push(n)).unwrap();
+    assert_eq!(copy.path(), path.as_path());
+    assert_eq!(copy.bytes(), std::fs::read(&path).unwrap().as_slice());
+    assert_ne!(copy.bytes().as_ptr(), file.bytes().as_ptr());
+    assert_eq!(seen.last().copied(), Some(file.len() as u64));
+    std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"more").unwrap();
+    match file.copy_to_memory(&mut |_| {}) {
+        Err(Error::Format { path: p, msg }) => assert!(p == path && msg.contains("changed size"), "{msg}"),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("a grown file was copied"),
+    }
+}
