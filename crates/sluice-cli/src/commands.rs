@@ -278,20 +278,11 @@ fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<(LoadOptions, bool)
         PrecisionArg::Fast => Some(Precision::Fast),
         PrecisionArg::Accurate => Some(Precision::Accurate),
     };
-    if e.weights == WeightsArg::Memory && experts > 0 && residency != Residency::Mapped {
-        return Err(Error::Usage(format!(
-            "--weights memory copies whole files, routed experts included; with --residency {} they are {} \
-             instead (use --weights auto or mapped, or --residency mapped)",
-            residency.name(),
-            if residency == Residency::Streamed { "read from the file" } else { "copied by the expert store" }
-        )));
-    }
     let copy = match e.weights {
         WeightsArg::Memory => true,
         WeightsArg::Mapped => false,
-        // Experts are mapped, streamed or copied by the expert store; a copy of
-        // everything would defeat the first two and double the third.
-        WeightsArg::Auto => experts == 0 && avail.is_some_and(|a| (total as f64) < a as f64 * 0.8),
+        // The expert store's budget already leaves room for the resident weights.
+        WeightsArg::Auto => avail.is_some_and(|a| (resident as f64) < a as f64 * 0.8),
     };
     Ok((LoadOptions { store, prefetch, precision }, copy))
 }

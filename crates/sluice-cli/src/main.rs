@@ -81,11 +81,11 @@ pub struct EngineArgs {
     /// at most a few percent; fast for the rest of the prompt)
     #[arg(long, value_enum, default_value_t = PrecisionArg::Auto)]
     pub precision: PrecisionArg,
-    /// Where the weights live: memory (read into sluice's own memory at load, on huge
-    /// pages where the OS has them; decode reads them faster), mapped (used in place
-    /// in the file's page-cache pages: no load time, shared with other processes), or
-    /// auto (memory for a model without routed experts that fits in 80% of the memory
-    /// available, mapped otherwise; streamed experts are always read from the file)
+    /// Where the weights other than routed experts live: memory (read into sluice's
+    /// own memory at load, on huge pages where the OS has them: decode reads them
+    /// faster), mapped (used in place in the file's page-cache pages: no load time,
+    /// shared with other processes), or auto (memory if they fit in 80% of the memory
+    /// available). Routed experts go by --residency.
     #[arg(long, value_enum, default_value_t = WeightsArg::Auto)]
     pub weights: WeightsArg,
 }

@@ -226,28 +226,56 @@ impl Checkpoint {
             .collect()
     }
 
-    /// Moves every tensor onto a copy of its file in this process's memory
-    /// ([`MappedFile::copy_to_memory`]), each file read once. `progress` gets the bytes
-    /// copied so far and the total.
-    pub fn copy_to_memory(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
-        let mut files: Vec<Arc<MappedFile>> = Vec::new();
-        for t in self.tensors.values() {
-            if !files.iter().any(|f| Arc::ptr_eq(f, t.file())) {
-                files.push(t.file().clone());
+    /// Moves every tensor that is not a routed expert (experts are the expert store's
+    /// business) onto a copy in this process's memory ([`MappedFile::copy_ranges`]),
+    /// each file's share in one piece. `progress` gets the bytes copied so far and the
+    /// total. Returns the bytes copied.
+    pub fn copy_to_memory(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<u64> {
+        // Where the experts lie: (file, offset, length), sorted.
+        let mut experts = Vec::new();
+        for (l, ls) in self.spec.layers.iter().enumerate() {
+            if let Some(moe) = &ls.moe {
+                for e in self.experts(l, moe, self.spec.hidden_size)? {
+                    for t in [&e.gate, &e.up, &e.down] {
+                        experts.push((Arc::as_ptr(t.file()) as usize, t.offset(), t.len_bytes()));
+                    }
+                }
             }
         }
-        let total: u64 = files.iter().map(|f| f.len() as u64).sum();
+        experts.sort_unstable();
+        // A tensor holding the first expert range at or after its start is an expert tensor.
+        let is_expert = |t: &TensorView| {
+            let key = (Arc::as_ptr(t.file()) as usize, t.offset(), 0);
+            let i = experts.partition_point(|e| *e < key);
+            experts.get(i).is_some_and(|&(f, o, n)| f == key.0 && o + n <= t.offset() + t.len_bytes())
+        };
+        // Per file, the names of the tensors to copy, in file order.
+        let mut files: Vec<(Arc<MappedFile>, Vec<String>)> = Vec::new();
+        let mut names: Vec<&String> = self.tensors.keys().collect();
+        names.sort_by_key(|n| self.tensors[*n].offset());
+        for name in names {
+            let t = &self.tensors[name];
+            if is_expert(t) {
+                continue;
+            }
+            match files.iter_mut().find(|(f, _)| Arc::ptr_eq(f, t.file())) {
+                Some((_, v)) => v.push(name.clone()),
+                None => files.push((t.file().clone(), vec![name.clone()])),
+            }
+        }
+        let total: u64 = files.iter().flat_map(|(_, v)| v).map(|n| self.tensors[n].len_bytes() as u64).sum();
         let mut done = 0;
-        let mut copies = Vec::with_capacity(files.len());
-        for f in &files {
-            copies.push(f.copy_to_memory(&mut |n| progress(done + n, total))?);
-            done += f.len() as u64;
+        for (file, names) in files {
+            let ranges: Vec<(usize, usize)> =
+                names.iter().map(|n| (self.tensors[n].offset(), self.tensors[n].len_bytes())).collect();
+            let (copy, offsets) = file.copy_ranges(&ranges, &mut |n| progress(done + n, total))?;
+            for (name, off) in names.iter().zip(offsets) {
+                let t = self.tensors.get_mut(name).expect("listed above");
+                *t = t.moved(copy.clone(), off);
+            }
+            done += ranges.iter().map(|r| r.1 as u64).sum::<u64>();
         }
-        for t in self.tensors.values_mut() {
-            let i = files.iter().position(|f| Arc::ptr_eq(f, t.file())).expect("collected above");
-            *t = t.with_file(copies[i].clone());
-        }
-        Ok(())
+        Ok(total)
     }
 
     /// Every tensor, sorted by name.

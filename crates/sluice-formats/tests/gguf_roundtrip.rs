@@ -302,26 +302,30 @@ fn ggml_type_ids_match_gguf_py() {
     assert_eq!(ggml_type_name(1000), None);
 }
 
-/// A mapped file copied into memory holds the same bytes under the same path, and
-/// the copy refuses a file that changed size after it was opened.
+/// Ranges of a mapped file copied into memory hold the same bytes under the same
+/// path, and the copy refuses a file that changed size after it was opened.
 #[test]
-fn a_copy_in_memory_is_the_file() {
+fn ranges_copied_into_memory_are_the_file() {
     let path = tmp("copy.gguf");
-    let data = pattern(DType::Q8_0.bytes_for(40 * 1024).unwrap(), 3);
+    let (a, b) = (pattern(DType::Q8_0.bytes_for(40 * 1024).unwrap(), 3), pattern(DType::F32.bytes_for(33).unwrap(), 5));
     let mut w = GgufWriter::new();
     w.add_str("general.architecture", "test");
-    w.add_tensor("q8_0", DType::Q8_0, &[40, 1024], data.as_slice());
+    w.add_tensor("a", DType::Q8_0, &[40, 1024], a.as_slice());
+    w.add_tensor("b", DType::F32, &[33], b.as_slice());
     w.write(&path).unwrap();
     let g = GgufFile::open(&path).unwrap();
-    let file = g.tensors()[0].file().clone();
+    let (ta, tb) = (g.tensor("a").unwrap(), g.tensor("b").unwrap());
+    let file = ta.file().clone();
+    let ranges = [(tb.offset(), tb.len_bytes()), (ta.offset(), ta.len_bytes())];
     let mut seen = Vec::new();
-    let copy = file.copy_to_memory(&mut |n| seen.push(n)).unwrap();
+    let (copy, offs) = file.copy_ranges(&ranges, &mut |n| seen.push(n)).unwrap();
     assert_eq!(copy.path(), path.as_path());
-    assert_eq!(copy.bytes(), std::fs::read(&path).unwrap().as_slice());
-    assert_ne!(copy.bytes().as_ptr(), file.bytes().as_ptr());
-    assert_eq!(seen.last().copied(), Some(file.len() as u64));
+    assert_eq!(&copy.bytes()[offs[0]..offs[0] + b.len()], b.as_slice());
+    assert_eq!(&copy.bytes()[offs[1]..offs[1] + a.len()], a.as_slice());
+    assert!(offs.iter().all(|o| o % 64 == 0));
+    assert_eq!(seen.last().copied(), Some((a.len() + b.len()) as u64));
     std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"more").unwrap();
-    match file.copy_to_memory(&mut |_| {}) {
+    match file.copy_ranges(&ranges, &mut |_| {}) {
         Err(Error::Format { path: p, msg }) => assert!(p == path && msg.contains("changed size"), "{msg}"),
         Err(e) => panic!("unexpected error {e}"),
         Ok(_) => panic!("a grown file was copied"),
