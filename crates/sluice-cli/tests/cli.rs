@@ -42,34 +42,31 @@ fn read_f32(p: &Path) -> Vec<f32> {
     std::fs::read(p).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
+/// `sluice logits` on a fixture's reference tokens with `extra` flags, checked against
+/// the reference (within 1e-3 of its largest logit); returns the logits and that largest.
+fn logits_matching_reference(name: &str, tag: &str, extra: &[&str]) -> (Vec<f32>, f32) {
+    let (tokens, want, _) = reference(name);
+    let ids = tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{tag}.f32"));
+    let model = fixture(name);
+    let mut args = vec!["logits", "--model", model.to_str().unwrap(), "--tokens", &ids, "--out", out.to_str().unwrap()];
+    args.extend(extra);
+    let o = sluice(&args);
+    assert!(o.status.success(), "{name} {tag}: {}", String::from_utf8_lossy(&o.stderr));
+    let got = read_f32(&out);
+    assert_eq!(got.len(), want.len(), "{name} {tag}: [n_tokens, vocab]");
+    let diff = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff <= 1e-3 * max_ref, "{name} {tag}: {diff} > 1e-3 x {max_ref}");
+    (got, max_ref)
+}
+
 #[test]
 fn logits_both_modes_match_reference() {
     for name in ["gemma4-moe", "qwen3-moe"] {
-        let (tokens, want, _) = reference(name);
-        let ids: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
-        let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let mut outs = Vec::new();
-        for mode in ["prefill", "decode"] {
-            let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{mode}.f32"));
-            let o = sluice(&[
-                "logits",
-                "--model",
-                fixture(name).to_str().unwrap(),
-                "--tokens",
-                &ids.join(","),
-                "--out",
-                out.to_str().unwrap(),
-                "--mode",
-                mode,
-            ]);
-            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-            let got = read_f32(&out);
-            assert_eq!(got.len(), want.len(), "{name} {mode}: [n_tokens, vocab]");
-            let diff = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(diff <= 1e-3 * max_ref, "{name} {mode}: {diff} > 1e-3 x {max_ref}");
-            outs.push(got);
-        }
-        let agree = outs[0].iter().zip(&outs[1]).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let (prefill, max_ref) = logits_matching_reference(name, "prefill", &["--mode", "prefill"]);
+        let (decode, _) = logits_matching_reference(name, "decode", &["--mode", "decode"]);
+        let agree = prefill.iter().zip(&decode).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(agree <= 1e-4 * max_ref, "{name}: prefill and decode differ by {agree}");
     }
 }
@@ -87,25 +84,11 @@ fn weights_in_memory_equal_mapped() {
         ("gemma4-moe", &["--residency", "resident"]),
     ];
     for (name, extra) in cases {
-        let (tokens, want, _) = reference(name);
-        let ids = tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
-        let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let mut outs = Vec::new();
-        for weights in ["memory", "mapped"] {
-            let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-weights-{weights}.f32"));
-            let model = fixture(name);
-            let mut args = vec!["logits", "--model", model.to_str().unwrap(), "--tokens", &ids];
-            args.extend(["--out", out.to_str().unwrap(), "--weights", weights]);
-            args.extend(extra);
-            let o = sluice(&args);
-            assert!(o.status.success(), "{name} {weights}: {}", String::from_utf8_lossy(&o.stderr));
-            let got = read_f32(&out);
-            assert_eq!(got.len(), want.len(), "{name} {weights}: [n_tokens, vocab]");
-            let diff = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(diff <= 1e-3 * max_ref, "{name} {weights}: {diff} > 1e-3 x {max_ref}");
-            outs.push(got);
-        }
-        assert!(outs[0].iter().zip(&outs[1]).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: memory != mapped");
+        let [memory, mapped] = ["memory", "mapped"].map(|w| {
+            let args: Vec<&str> = ["--weights", w].into_iter().chain(extra.iter().copied()).collect();
+            logits_matching_reference(name, &format!("weights-{w}"), &args).0
+        });
+        assert!(memory.iter().zip(&mapped).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: memory != mapped");
     }
 }
 
