@@ -15,6 +15,7 @@ use sluice_formats::Checkpoint;
 use sluice_formats::gguf::GgufFile;
 use sluice_tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
+use crate::stop::StopText;
 use crate::{EngineArgs, LogitsMode, PolicyArg, PrecisionArg, PrefetchArg, ResidencyArg, WeightsArg};
 
 #[derive(Args)]
@@ -30,9 +31,13 @@ pub struct RunArgs {
     /// System message for --chat
     #[arg(long)]
     system: Option<String>,
-    /// Jinja chat template file to use instead of the model's own
+    /// Jinja chat template file to use instead of the model's own (a model without
+    /// one, a base model, is asked as a plain "User: ... / Assistant:" transcript)
     #[arg(long, value_name = "FILE")]
     chat_template: Option<PathBuf>,
+    /// End the reply where the generated text reaches TEXT (not shown); repeatable
+    #[arg(long, value_name = "TEXT")]
+    stop: Vec<String>,
     /// Most tokens to generate
     #[arg(long, short = 'n', default_value_t = 256)]
     max_tokens: usize,
@@ -302,40 +307,37 @@ fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
     if path.is_file() { Tokenizer::from_gguf(&GgufFile::open(path)?) } else { Tokenizer::from_hf_dir(path) }
 }
 
-/// Chat formats for models that ship no template (base models): the family's own turn
-/// markers where the vocabulary has them, ChatML otherwise.
-const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}\
-{% if m.role == 'system' %}{% set ns.sys = m.content ~ '\\n\\n' %}{% else %}\
-<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}{{ '\\n' }}{{ ns.sys }}{{ m.content | trim }}\
-<end_of_turn>{{ '\\n' }}{% set ns.sys = '' %}{% endif %}{% endfor %}\
-{% if add_generation_prompt %}<start_of_turn>model{{ '\\n' }}{% endif %}";
-const CHATML_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}{{ '\\n' }}{{ m.content }}<|im_end|>\
-{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}";
+/// How a model without a chat template (a base model, never trained on turn markers)
+/// is asked to chat: as a plain transcript, which pre-training text is full of, ending
+/// in `Assistant:`; its reply ends where it starts the user's next line
+/// ([`TRANSCRIPT_STOP`]), as llama.cpp's chat examples for base models do with a
+/// reverse prompt. (The family's turn markers, where the vocabulary has them, made the
+/// base gemma-3-270m repeat the question; the transcript gets its answer.)
+const TRANSCRIPT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}\
+{% if m.role == 'system' %}{{ m.content }}{{ '\\n\\n' }}\
+{% elif m.role == 'user' %}User: {{ m.content }}{{ '\\n' }}\
+{% else %}Assistant: {{ m.content | trim }}{{ '\\n' }}{% endif %}{% endfor %}\
+{% if add_generation_prompt %}Assistant:{% endif %}";
+const TRANSCRIPT_STOP: &str = "\nUser:";
 
-fn ensure_chat_template(tok: &mut Tokenizer, file: Option<&Path>) -> Result<()> {
+/// Makes sure `tok` has a chat template: `file` if given, else the model's own, else
+/// the plain transcript, whose stop string is then returned.
+fn ensure_chat_template(tok: &mut Tokenizer, file: Option<&Path>) -> Result<Option<&'static str>> {
     if let Some(f) = file {
         let text = std::fs::read_to_string(f).map_err(|e| Error::io(f, e))?;
         tok.set_chat_template(&f.display().to_string(), text);
-        return Ok(());
+        return Ok(None);
     }
     if tok.has_chat_template() {
-        return Ok(());
+        return Ok(None);
     }
-    let (name, text) = if tok.token_to_id("<start_of_turn>").is_some() {
-        ("built-in Gemma template", GEMMA_TEMPLATE)
-    } else if tok.token_to_id("<|im_start|>").is_some() {
-        ("built-in ChatML template", CHATML_TEMPLATE)
-    } else {
-        return Err(Error::Template(
-            "the model has no chat template and no known turn markers; give one with --chat-template FILE".into(),
-        ));
-    };
     eprintln!(
-        "note: the model has no chat template, so it may be a base model that was never trained to chat; \
-         using the {name} (--chat-template FILE to choose, or leave out --chat to complete plain text)"
+        "note: the model has no chat template, so it is probably a base model that was never trained to chat; \
+         asking it as a plain User:/Assistant: transcript (--chat-template FILE to choose a template, or \
+         leave out --chat to complete plain text)"
     );
-    tok.set_chat_template(name, text.to_string());
-    Ok(())
+    tok.set_chat_template("built-in transcript template", TRANSCRIPT_TEMPLATE.to_string());
+    Ok(Some(TRANSCRIPT_STOP))
 }
 
 fn stop_ids(model: &Model, tok: &Tokenizer) -> Vec<u32> {
@@ -356,10 +358,14 @@ pub fn run(a: RunArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&a.top_p) || a.temperature < 0.0 || !a.temperature.is_finite() {
         return Err(Error::Usage("--temperature must be >= 0 and --top-p in [0, 1]".into()));
     }
+    if a.stop.iter().any(|s| s.is_empty()) {
+        return Err(Error::Usage("--stop needs a non-empty text".into()));
+    }
     let threads = init_threads(a.engine.threads)?;
     let mut tok = load_tokenizer(&a.engine.model)?;
+    let mut stop_texts = a.stop.clone();
     if a.chat {
-        ensure_chat_template(&mut tok, a.chat_template.as_deref())?;
+        stop_texts.extend(ensure_chat_template(&mut tok, a.chat_template.as_deref())?.map(String::from));
     }
     let Loaded { model, load_s, weights } = load_model(&a.engine)?;
     let seed = a.seed.unwrap_or_else(|| {
@@ -374,19 +380,23 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut generate_into = |session: &mut sluice_engine::Session<'_, sluice_engine::Cpu>,
                              prompt: &[u32],
                              out: &mut std::io::StdoutLock<'_>|
-     -> Result<(Vec<u32>, sluice_engine::GenerationStats)> {
+     -> Result<(Vec<u32>, String, sluice_engine::GenerationStats)> {
         let mut dec = StreamDecoder::with_context(&tok, prompt, true)?;
-        let mut produced = Vec::new();
+        let mut filter = StopText::new(stop_texts.clone());
+        let (mut produced, mut shown) = (Vec::new(), String::new());
         let st = session.generate(prompt, a.max_tokens, &stops, &mut sampler, |id| {
             produced.push(id);
-            let piece = dec.push(id)?;
+            let (piece, stop) = filter.push(&dec.push(id)?);
             out.write_all(piece.as_bytes()).map_err(|e| Error::io("<stdout>", e))?;
             out.flush().map_err(|e| Error::io("<stdout>", e))?;
-            Ok(true)
+            shown += &piece;
+            Ok(!stop)
         })?;
-        let rest = dec.finish()?;
+        let (piece, _) = filter.push(&dec.finish()?);
+        let rest = piece + &filter.finish();
         writeln!(out, "{rest}").map_err(|e| Error::io("<stdout>", e))?;
-        Ok((produced, st))
+        shown += &rest;
+        Ok((produced, shown, st))
     };
 
     if !a.chat {
@@ -395,7 +405,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             return Err(Error::Usage("the prompt encodes to no tokens".into()));
         }
         write!(out, "{}", a.prompt.as_deref().unwrap_or("")).map_err(|e| Error::io("<stdout>", e))?;
-        let (_, st) = generate_into(&mut session, &prompt, &mut out)?;
+        let (_, _, st) = generate_into(&mut session, &prompt, &mut out)?;
         totals.push(st);
     } else {
         let mut messages = Vec::new();
@@ -432,9 +442,8 @@ pub fn run(a: RunArgs) -> Result<()> {
                 session.reset();
                 &ids
             };
-            let (produced, st) = generate_into(&mut session, new, &mut out)?;
+            let (produced, reply, st) = generate_into(&mut session, new, &mut out)?;
             totals.push(st);
-            let reply = tok.decode(&produced, true)?;
             messages.push(ChatMessage::new("assistant", reply));
             // The session holds the prompt and every generated token but the last.
             held = ids;

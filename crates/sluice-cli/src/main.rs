@@ -1,6 +1,7 @@
 //! `sluice`: run Mixture-of-Experts language models larger than memory.
 
 mod commands;
+mod stop;
 mod synth_pack;
 
 use std::process::ExitCode;

@@ -162,6 +162,36 @@ fn run_chat_end_to_end() {
     assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 2, "one reply line per turn");
 }
 
+/// `--stop TEXT` ends the output just before the first TEXT: the greedy continuation
+/// without it, cut there (whatever the tiny random model writes, a piece of its own
+/// output is a stop string it reaches). An empty one is refused.
+#[test]
+fn stop_text_cuts_the_output() {
+    // Its greedy text is printable ("returnreturn...").
+    let m = fixture("gemma3");
+    let m = m.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--model", m, "--prompt", "The fox", "--temperature", "0", "--max-tokens", "16"];
+        args.extend(extra);
+        let o = sluice(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let full = run(&[]);
+    let cont: Vec<char> = full.strip_prefix("The fox").unwrap().trim_end_matches('\n').chars().collect();
+    assert!(cont.len() >= 6, "{full:?}");
+    // Three characters from the middle on that can be passed as an argument.
+    let k = (cont.len() / 2..cont.len() - 2)
+        .chain(0..cont.len() / 2)
+        .find(|&k| cont[k..k + 3].iter().all(|c| !c.is_control()))
+        .expect("printable text");
+    let stop: String = cont[k..k + 3].iter().collect();
+    // Stop strings are looked for in the generated text only.
+    let at = "The fox".len() + full["The fox".len()..].find(&stop).unwrap();
+    assert_eq!(run(&["--stop", &stop]), format!("{}\n", &full[..at]), "stop {stop:?} in {full:?}");
+    assert_one_error(&sluice(&["run", "--model", m, "--prompt", "hi", "--stop", ""]), "--stop");
+}
+
 #[test]
 fn inspect_describes_the_model() {
     let o = sluice(&["inspect", "--model", fixture("gemma4-moe").to_str().unwrap(), "--tensors"]);

@@ -1,6 +1,6 @@
 //! The real GGUF models (fetched by scripts/fetch_models.sh) answer questions through
 //! their own tokenizers and chat templates: SmolLM2 and Qwen2.5-Coder in chat, the base
-//! gemma-3-270m as a completion. Each test is skipped, saying so, when its model is not
+//! gemma-3-270m (a base model) as a transcript and as a completion. Each test is skipped, saying so, when its model is not
 //! fetched (CI fetches SmolLM2).
 
 use std::path::{Path, PathBuf};
@@ -70,10 +70,12 @@ fn qwen25_coder_answers_a_question() {
 }
 
 #[test]
-fn gemma3_270m_completes_a_question() {
-    // The PyPI gemma-3-270m is the base model (no chat template), so it is asked as a
-    // completion.
+fn gemma3_270m_answers_as_a_base_model() {
+    // The PyPI gemma-3-270m is the base model (no chat template): in chat it is asked
+    // as a plain transcript, and it completes a question-and-answer text.
     let Some(m) = model("gemma-3-270m-q4_k_m.gguf", "gemma3-270m") else { return };
+    let answer = generate(&m, "What is the capital of France?", true);
+    assert!(answer.contains("Paris") && !answer.contains("User:"), "{answer}");
     let answer = generate(&m, "Question: What is the capital of France?\nAnswer:", false);
     let rest = answer.split_once("Answer:").map_or("", |(_, r)| r);
     assert!(rest.contains("Paris"), "{answer}");
