@@ -386,7 +386,12 @@ pub fn run(a: RunArgs) -> Result<()> {
         let (mut produced, mut shown) = (Vec::new(), String::new());
         let st = session.generate(prompt, a.max_tokens, &stops, &mut sampler, |id| {
             produced.push(id);
-            let (piece, stop) = filter.push(&dec.push(id)?);
+            let (mut piece, stop) = filter.push(&dec.push(id)?);
+            if a.chat && shown.is_empty() {
+                // A reply starts at its first visible character (after a transcript's
+                // "Assistant:" the model writes a space first).
+                piece = piece.trim_start().to_string();
+            }
             out.write_all(piece.as_bytes()).map_err(|e| Error::io("<stdout>", e))?;
             out.flush().map_err(|e| Error::io("<stdout>", e))?;
             shown += &piece;
