@@ -170,13 +170,6 @@ fn load_model(e: &EngineArgs) -> Result<Loaded> {
     Ok(Loaded { model, load_s: t.elapsed().as_secs_f64(), weights: if copy { "memory" } else { "mapped" } })
 }
 
-/// Bytes the kernel says can be allocated without swapping (`MemAvailable`).
-fn memory_available() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
-}
-
 /// `4GiB`, `512MiB`, `1.5G`, `2GB` as bytes; a bare number as slots per layer.
 fn parse_cache(s: &str) -> Result<CacheBudget> {
     let t = s.trim();
@@ -216,7 +209,7 @@ fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<(LoadOptions, bool)
     let total: u64 = ckpt.tensors().iter().map(|t| t.len_bytes() as u64).sum();
     let resident = total - experts;
     let budget = e.expert_cache.as_deref().map(parse_cache).transpose()?;
-    let avail = memory_available();
+    let avail = crate::memory::available();
     // Leave room for the resident weights, the KV cache and the OS.
     let default_budget = || {
         let room = avail.map_or(0, |a| (a as f64 * 0.8) as u64).saturating_sub(resident + (1 << 30));

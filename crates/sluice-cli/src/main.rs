@@ -1,6 +1,7 @@
 //! `sluice`: run Mixture-of-Experts language models larger than memory.
 
 mod commands;
+mod memory;
 mod stop;
 mod synth_pack;
 
@@ -51,7 +52,8 @@ pub struct EngineArgs {
     pub threads: Option<usize>,
     /// Where routed experts live: all in memory, mapped (the OS page cache decides),
     /// streamed (sluice's own cache and reads), or auto (mapped if the model fits in
-    /// memory, streamed otherwise)
+    /// memory, streamed otherwise; memory available is MemAvailable, or the room under
+    /// the process's memory cgroup limit if less)
     #[arg(long, value_enum, default_value_t = ResidencyArg::Auto)]
     pub residency: ResidencyArg,
     /// Expert cache for streamed residency: bytes with a unit (4GiB, 512MiB) or a number
