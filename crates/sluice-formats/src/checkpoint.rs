@@ -7,7 +7,7 @@ use std::sync::Arc;
 use sluice_core::{DType, Error, Family, ModelSpec, MoeSpec, Result};
 
 use crate::gguf::{GgufFile, has_gguf_magic};
-use crate::mapped::{MappedFile, TensorView};
+use crate::mapped::TensorView;
 use crate::names::{TensorId, TensorKind, gguf_name, hf_name};
 use crate::pack::{self, PackInfo};
 use crate::{gguf_config, hf_config, safetensors};
@@ -227,7 +227,7 @@ impl Checkpoint {
     }
 
     /// Moves every tensor that is not a routed expert (experts are the expert store's
-    /// business) onto a copy in this process's memory ([`MappedFile::copy_ranges`]),
+    /// business) onto a copy in this process's memory ([`crate::MappedFile::copy_ranges`]),
     /// each file's share in one piece. `progress` gets the bytes copied so far and the
     /// total. Returns the bytes copied.
     pub fn copy_to_memory(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<u64> {
@@ -249,31 +249,25 @@ impl Checkpoint {
             let i = experts.partition_point(|e| *e < key);
             experts.get(i).is_some_and(|&(f, o, n)| f == key.0 && o + n <= t.offset() + t.len_bytes())
         };
-        // Per file, the names of the tensors to copy, in file order.
-        let mut files: Vec<(Arc<MappedFile>, Vec<String>)> = Vec::new();
-        let mut names: Vec<&String> = self.tensors.keys().collect();
-        names.sort_by_key(|n| self.tensors[*n].offset());
-        for name in names {
-            let t = &self.tensors[name];
-            if is_expert(t) {
-                continue;
-            }
-            match files.iter_mut().find(|(f, _)| Arc::ptr_eq(f, t.file())) {
-                Some((_, v)) => v.push(name.clone()),
-                None => files.push((t.file().clone(), vec![name.clone()])),
+        // The tensors to copy, grouped by file, in file order.
+        let mut views: Vec<&TensorView> = self.tensors.values().filter(|t| !is_expert(t)).collect();
+        views.sort_by_key(|t| t.offset());
+        let mut files: Vec<Vec<TensorView>> = Vec::new();
+        for t in views {
+            match files.iter_mut().find(|g| Arc::ptr_eq(g[0].file(), t.file())) {
+                Some(g) => g.push(t.clone()),
+                None => files.push(vec![t.clone()]),
             }
         }
-        let total: u64 = files.iter().flat_map(|(_, v)| v).map(|n| self.tensors[n].len_bytes() as u64).sum();
+        let total: u64 = files.iter().flatten().map(|t| t.len_bytes() as u64).sum();
         let mut done = 0;
-        for (file, names) in files {
-            let ranges: Vec<(usize, usize)> =
-                names.iter().map(|n| (self.tensors[n].offset(), self.tensors[n].len_bytes())).collect();
-            let (copy, offsets) = file.copy_ranges(&ranges, &mut |n| progress(done + n, total))?;
-            for (name, off) in names.iter().zip(offsets) {
-                let t = self.tensors.get_mut(name).expect("listed above");
-                *t = t.moved(copy.clone(), off);
+        for group in files {
+            let ranges: Vec<(usize, usize)> = group.iter().map(|t| (t.offset(), t.len_bytes())).collect();
+            let (copy, offsets) = group[0].file().copy_ranges(&ranges, &mut |n| progress(done + n, total))?;
+            for (t, off) in group.iter().zip(offsets) {
+                self.tensors.insert(t.name.clone(), t.moved(copy.clone(), off));
+                done += t.len_bytes() as u64;
             }
-            done += ranges.iter().map(|r| r.1 as u64).sum::<u64>();
         }
         Ok(total)
     }
