@@ -9,7 +9,7 @@ use clap::Args;
 use serde_json::json;
 use sluice_core::{Error, Precision, Result};
 use sluice_engine::stats::{PhaseMs, peak_rss_bytes, storage_read_bytes};
-use sluice_engine::{Cpu, LoadOptions, Logits, Model, Prefetch, Sampler, SamplerConfig};
+use sluice_engine::{Chunk, Cpu, LoadOptions, Logits, Model, PilotStats, Prefetch, Sampler, SamplerConfig, StepStats};
 use sluice_experts::{CacheBudget, ExpertLayout, Policy, Residency, RoutingHistogram, StoreConfig, human_bytes};
 use sluice_formats::Checkpoint;
 use sluice_formats::gguf::GgufFile;
@@ -62,9 +62,11 @@ pub struct RunArgs {
 pub struct LogitsArgs {
     #[command(flatten)]
     engine: EngineArgs,
-    /// Comma-separated token ids
-    #[arg(long, value_name = "IDS")]
-    tokens: String,
+    /// Comma-separated token ids of one sequence; repeat for several sequences, which
+    /// then run as one batch (their rows follow each other in the order given, the
+    /// same bits as each run alone)
+    #[arg(long, value_name = "IDS", required = true)]
+    tokens: Vec<String>,
     /// Output file: little-endian f32, row-major [n_tokens, vocab]
     #[arg(long, value_name = "FILE")]
     out: PathBuf,
@@ -95,6 +97,11 @@ pub struct BenchArgs {
     /// Runs; medians are reported
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Sequences run together, each with its own prompt: their prompts are prefilled
+    /// as one batch, then every decode step feeds one token of each (decode_tok_s is
+    /// then the aggregate over all of them)
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    parallel: usize,
     /// Print one JSON object instead of text
     #[arg(long)]
     json: bool,
@@ -366,7 +373,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     });
     let mut sampler = Sampler::new(SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed });
     let stops = stop_ids(&model, &tok);
-    let mut session = model.session();
+    let mut session = model.session()?;
     let mut out = std::io::stdout().lock();
     let mut totals = Vec::new();
 
@@ -437,7 +444,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             let new: &[u32] = if ids.starts_with(&held) && held.len() < ids.len() {
                 &ids[held.len()..]
             } else {
-                session.reset();
+                session.reset()?;
                 &ids
             };
             let (produced, reply, st) = generate_into(&mut session, new, &mut out)?;
@@ -448,7 +455,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             held.extend(&produced[..produced.len().saturating_sub(1)]);
             if session.len() != held.len() {
                 held.clear();
-                session.reset();
+                session.reset()?;
             }
         }
     }
@@ -475,8 +482,8 @@ pub fn run(a: RunArgs) -> Result<()> {
             "stop": totals.last().map(|s| s.stop),
             "kv_cache_bytes": session.kv_bytes(),
             "peak_rss_bytes": peak_rss_bytes(),
-            "phases": PhaseMs::from(&session.timers),
-            "experts": expert_stats(&model, &session.pilot.stats),
+            "phases": PhaseMs::from(&session.stats.timers),
+            "experts": expert_stats(&model, &session.stats.pilot),
         });
         eprintln!("{stats}");
     }
@@ -493,7 +500,7 @@ fn precision_name(model: &Model) -> &'static str {
     }
 }
 
-fn expert_stats(model: &Model, pilot: &sluice_engine::blocks::PilotStats) -> serde_json::Value {
+fn expert_stats(model: &Model, pilot: &PilotStats) -> serde_json::Value {
     json!({
         "store": model.store.stats(),
         "prefetch": match model.prefetch { Prefetch::Off => "off", Prefetch::Pilot => "pilot" },
@@ -516,22 +523,40 @@ fn parse_tokens(s: &str) -> Result<Vec<u32>> {
 }
 
 pub fn logits(a: LogitsArgs) -> Result<()> {
-    let tokens = parse_tokens(&a.tokens)?;
+    let seqs = a.tokens.iter().map(|t| parse_tokens(t)).collect::<Result<Vec<_>>>()?;
     init_threads(a.engine.threads)?;
     let model = load_model(&a.engine)?.model;
-    let mut s = model.session();
-    let logits = match a.mode {
-        LogitsMode::Prefill => s.forward(&tokens, Logits::All)?,
-        LogitsMode::Decode => {
-            let mut all = Vec::with_capacity(tokens.len() * model.spec.vocab_size);
-            for &t in &tokens {
-                all.extend(s.forward(&[t], Logits::All)?);
-            }
-            all
-        }
+    let mut states = seqs.iter().map(|_| model.new_state()).collect::<Result<Vec<_>>>()?;
+    let mut stats = StepStats::default();
+    let mut rows: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
+    // Prefill: each sequence's tokens in one step; decode: one token of every sequence
+    // that has one left per step.
+    let steps = match a.mode {
+        LogitsMode::Prefill => 1,
+        LogitsMode::Decode => seqs.iter().map(Vec::len).max().unwrap_or(0),
     };
+    for t in 0..steps {
+        let mut chunks = Vec::new();
+        let mut which = Vec::new();
+        for (i, (seq, state)) in seqs.iter().zip(states.iter_mut()).enumerate() {
+            let tokens = match a.mode {
+                LogitsMode::Prefill => &seq[..],
+                LogitsMode::Decode if t < seq.len() => &seq[t..t + 1],
+                LogitsMode::Decode => continue,
+            };
+            chunks.push(Chunk { state, tokens, logits: Logits::All });
+            which.push(i);
+        }
+        for (i, r) in which.into_iter().zip(model.step(&mut chunks, &mut stats)) {
+            let r = r.map_err(|e| match seqs.len() {
+                1 => e,
+                _ => Error::Usage(format!("--tokens #{}: {e}", i + 1)),
+            })?;
+            rows[i].extend(r);
+        }
+    }
     record_routing(&a.engine, &model)?;
-    let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let bytes: Vec<u8> = rows.iter().flatten().flat_map(|v| v.to_le_bytes()).collect();
     // Write beside the target and rename, so a failure leaves no half-written file.
     let tmp = a.out.with_extension("partial");
     std::fs::write(&tmp, &bytes).map_err(|e| Error::io(&tmp, e))?;
@@ -575,8 +600,12 @@ fn bench_prompt(vocab: usize, n: usize, run: usize) -> Vec<u32> {
 /// One bench run's figures.
 #[derive(serde::Serialize)]
 struct BenchRun {
+    /// Prompt tokens per second over all sequences.
     prefill_tok_s: f64,
+    /// Decoded tokens per second over all sequences (with --parallel N, the aggregate).
     decode_tok_s: f64,
+    /// Decoded tokens per second of one sequence.
+    decode_tok_s_per_sequence: f64,
     /// Expert bytes read from disk per decoded token (streamed residency).
     decode_disk_bytes_per_token: f64,
     /// Bytes the process read from storage per decoded token, as the kernel counts
@@ -588,8 +617,8 @@ struct BenchRun {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
-    if a.repeat == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
-        return Err(Error::Usage("--repeat, --prompt-tokens and --gen-tokens must be at least 1".into()));
+    if a.repeat == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 || a.parallel == 0 {
+        return Err(Error::Usage("--repeat, --prompt-tokens, --gen-tokens and --parallel must be at least 1".into()));
     }
     let threads = init_threads(a.engine.threads)?;
     let Loaded { model, load_s, weights } = load_model(&a.engine)?;
@@ -597,17 +626,28 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let mut runs = Vec::new();
     let mut last = None;
     for run in 0..a.repeat {
-        let prompt = bench_prompt(vocab, a.prompt_tokens, run);
-        let mut s = model.session();
+        let prompts: Vec<Vec<u32>> =
+            (0..a.parallel).map(|i| bench_prompt(vocab, a.prompt_tokens, run * a.parallel + i)).collect();
+        let mut states = prompts.iter().map(|_| model.new_state()).collect::<Result<Vec<_>>>()?;
+        let mut stats = StepStats::default();
         let t = Instant::now();
-        let mut logits = s.prefill(&prompt)?;
+        let prompt_refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+        let mut logits = {
+            let mut refs: Vec<&mut _> = states.iter_mut().collect();
+            model.prefill(&mut refs, &prompt_refs, &mut stats).into_iter().collect::<Result<Vec<_>>>()?
+        };
         let prefill_s = t.elapsed().as_secs_f64();
         let before = model.store.stats();
         let storage_before = storage_read_bytes();
         let t = Instant::now();
         for _ in 0..a.gen_tokens {
-            let next = sluice_engine::sampler::argmax(&logits);
-            logits = s.forward(&[next], Logits::Last)?;
+            let next: Vec<[u32; 1]> = logits.iter().map(|l| [sluice_engine::sampler::argmax(l)]).collect();
+            let mut chunks: Vec<Chunk<'_, Cpu>> = states
+                .iter_mut()
+                .zip(&next)
+                .map(|(state, t)| Chunk { state, tokens: t, logits: Logits::Last })
+                .collect();
+            logits = model.step(&mut chunks, &mut stats).into_iter().collect::<Result<Vec<_>>>()?;
         }
         let decode_s = t.elapsed().as_secs_f64();
         let after = model.store.stats();
@@ -615,21 +655,25 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let requests = after.requests - before.requests;
         let served =
             (after.hits + after.joined + after.prefetch_hits) - (before.hits + before.joined + before.prefetch_hits);
+        let decoded = (a.gen_tokens * a.parallel) as f64;
         runs.push(BenchRun {
-            prefill_tok_s: a.prompt_tokens as f64 / prefill_s,
-            decode_tok_s: a.gen_tokens as f64 / decode_s,
-            decode_disk_bytes_per_token: (after.bytes_read - before.bytes_read) as f64 / a.gen_tokens as f64,
-            decode_storage_bytes_per_token: storage.map(|b| b as f64 / a.gen_tokens as f64),
+            prefill_tok_s: (a.prompt_tokens * a.parallel) as f64 / prefill_s,
+            decode_tok_s: decoded / decode_s,
+            decode_tok_s_per_sequence: a.gen_tokens as f64 / decode_s,
+            decode_disk_bytes_per_token: (after.bytes_read - before.bytes_read) as f64 / decoded,
+            decode_storage_bytes_per_token: storage.map(|b| b as f64 / decoded),
             decode_hit_rate: (after.hit_rate.is_some() && requests > 0).then(|| served as f64 / requests as f64),
             decode_fetch_wait_s: after.fetch_wait_s - before.fetch_wait_s,
         });
-        last = Some((PhaseMs::from(&s.timers), s.kv_bytes(), s.pilot.stats));
+        let kv: usize = states.iter().map(|s| s.kv_bytes(&model.be)).sum();
+        last = Some((PhaseMs::from(&stats.timers), kv, stats.pilot));
     }
     record_routing(&a.engine, &model)?;
     let (phases, kv, pilot) = last.expect("at least one run");
     let med = |f: fn(&BenchRun) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
     let p = med(|r| r.prefill_tok_s);
     let d = med(|r| r.decode_tok_s);
+    let d_seq = med(|r| r.decode_tok_s_per_sequence);
     let disk_per_tok = med(|r| r.decode_disk_bytes_per_token);
     let storage_per_tok = runs
         .iter()
@@ -641,7 +685,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     // bytes per token bounds it. Streamed decode also reads its cache misses from
     // disk: disk bandwidth over the bytes missed per token bounds it.
     let bw = (!a.no_roofline).then(|| sluice_engine::stats::memory_read_bandwidth(1 << 30, 5));
-    let roofline = bw.map(|bw| bw / model.bytes_per_token as f64);
+    // With several sequences a step reads the dense weights once for all of them (and
+    // a MoE model the union of their experts, so there it is an upper bound).
+    let roofline = bw.map(|bw| bw / model.bytes_per_token as f64 * a.parallel as f64);
     let streamed = model.store.residency() == Residency::Streamed;
     let disk = if streamed && !a.no_roofline {
         // The roofline is an upper bound: the best of a few queue depths, from one
@@ -677,8 +723,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "prompt_tokens": a.prompt_tokens,
             "gen_tokens": a.gen_tokens,
             "repeat": a.repeat,
+            "parallel": a.parallel,
             "prefill_tok_s": p,
             "decode_tok_s": d,
+            "decode_tok_s_per_sequence": d_seq,
             "runs": runs,
             "peak_rss_bytes": rss,
             "kv_cache_bytes": kv,
@@ -707,7 +755,14 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             model.store.residency().name()
         );
         println!("prompt  {:>6} tokens  {:>9.1} tok/s  (median of {})", a.prompt_tokens, p, a.repeat);
-        println!("decode  {:>6} tokens  {:>9.2} tok/s", a.gen_tokens, d);
+        if a.parallel > 1 {
+            println!(
+                "decode  {:>6} tokens x {} sequences  {:>9.2} tok/s ({:.2} per sequence)",
+                a.gen_tokens, a.parallel, d, d_seq
+            );
+        } else {
+            println!("decode  {:>6} tokens  {:>9.2} tok/s", a.gen_tokens, d);
+        }
         if let (Some(bw), Some(r)) = (bw, roofline) {
             println!(
                 "memory roofline {:.1} tok/s = {:.2} GB/s read / {:.1} MB per token; decode is {:.0}% of it",

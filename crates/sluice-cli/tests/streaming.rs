@@ -60,17 +60,17 @@ fn truncated_expert_file_fails_the_request_not_the_process() {
     };
     let model = Model::load_with(Cpu::default(), &ckpt, &LoadOptions { store, ..Default::default() }, None).unwrap();
     let tokens: Vec<u32> = (1..40).collect();
-    let want = model.session().forward(&tokens, Logits::All).unwrap();
+    let want = model.session().unwrap().forward(&tokens, Logits::All).unwrap();
 
     // Cut the file in half under the running model: the next misses read past its end.
     std::fs::OpenOptions::new().write(true).open(&experts).unwrap().set_len(intact.len() as u64 / 2).unwrap();
-    let mut s = model.session();
+    let mut s = model.session().unwrap();
     let err = tokens.iter().map(|&t| s.forward(&[t], Logits::Last)).find_map(|r| r.err()).expect("a read must fail");
     let msg = err.to_string();
     assert!(msg.contains("experts.bin") && msg.contains("expert"), "{msg}");
 
     // Put the bytes back: the same model and store serve the next request.
     std::fs::write(&experts, &intact).unwrap();
-    let again = model.session().forward(&tokens, Logits::All).unwrap();
+    let again = model.session().unwrap().forward(&tokens, Logits::All).unwrap();
     assert!(again == want, "logits after recovery differ");
 }

@@ -54,4 +54,34 @@ impl Error {
     pub fn tokenizer(path: impl AsRef<Path>, msg: impl Into<String>) -> Self {
         Error::Tokenizer { path: path.as_ref().to_path_buf(), msg: msg.into() }
     }
+
+    /// The same error again, for each of several requests it ends (an I/O error
+    /// keeps its kind and message; `std::io::Error` is not `Clone`).
+    pub fn duplicate(&self) -> Error {
+        match self {
+            Error::Io { path, source } => {
+                Error::Io { path: path.clone(), source: std::io::Error::new(source.kind(), source.to_string()) }
+            }
+            Error::Format { path, msg } => Error::Format { path: path.clone(), msg: msg.clone() },
+            Error::Config { path, msg } => Error::Config { path: path.clone(), msg: msg.clone() },
+            Error::UnknownArchitecture { path, model_type, supported } => Error::UnknownArchitecture {
+                path: path.clone(),
+                model_type: model_type.clone(),
+                supported: supported.clone(),
+            },
+            Error::MissingTensor { path, name } => Error::MissingTensor { path: path.clone(), name: name.clone() },
+            Error::TensorShape { path, name, expected, got } => Error::TensorShape {
+                path: path.clone(),
+                name: name.clone(),
+                expected: expected.clone(),
+                got: got.clone(),
+            },
+            Error::TokenOutOfRange { id, vocab_size } => Error::TokenOutOfRange { id: *id, vocab_size: *vocab_size },
+            Error::ContextTooLong { needed, limit } => Error::ContextTooLong { needed: *needed, limit: *limit },
+            Error::Tokenizer { path, msg } => Error::Tokenizer { path: path.clone(), msg: msg.clone() },
+            Error::Template(m) => Error::Template(m.clone()),
+            Error::Usage(m) => Error::Usage(m.clone()),
+            Error::Unsupported(m) => Error::Unsupported(m.clone()),
+        }
+    }
 }

@@ -141,13 +141,31 @@ impl AttentionSpec {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How a router's logits become each token's experts and their weights.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RouterKind {
     /// softmax over the router logits, top-k, then optionally renormalise the k weights.
     Softmax { normalize_top_k: bool },
     /// Gemma 4: weightless RMS norm, times `scale` and hidden^-0.5, softmax, top-k,
     /// renormalise, times `per_expert_scale`.
     Gemma4,
+    /// top-k of the logits, then a softmax over the k chosen (gpt-oss).
+    TopKSoftmax,
+    /// DeepSeek-V3: sigmoid scores. Experts are chosen on the scores plus a
+    /// correction bias, among the best `topk_groups` of `n_groups` equal groups (a
+    /// group scores the sum of its two best); the weights are the chosen plain scores,
+    /// optionally renormalised, times `scaling`.
+    SigmoidGroupLimited { n_groups: usize, topk_groups: usize, normalize_top_k: bool, scaling: f32 },
+}
+
+/// The gated unit in the middle of an MLP or an expert: `f(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Glu {
+    /// `act(gate) * up`.
+    Gated(Activation),
+    /// gpt-oss: `gate` clamped above at `limit`, `up` to `[-limit, limit]`, then
+    /// `gate * sigmoid(alpha * gate) * (up + 1)`.
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -95,48 +95,61 @@ pub struct AttnParams {
     pub softcap: Option<f32>,
 }
 
-/// `q` is `[n, n_heads * head_dim]` for positions `cache.len()..cache.len() + n`;
-/// `k_new` and `v_new` are the same positions' `[n, kv_dim]`. Writes `out`, shaped
-/// like `q`.
-pub fn attention(p: &AttnParams, q: &[f32], k_new: &[f32], v_new: &[f32], cache: &KvCache, out: &mut [f32]) {
+/// One sequence's share of a batched attention call: rows `first..first + rows` of
+/// `q`, `k_new` and `v_new` are its positions `cache.len()..`, and `cache` holds the
+/// positions before them.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnSeq<'a> {
+    pub first: usize,
+    pub rows: usize,
+    pub cache: &'a KvCache,
+}
+
+/// Causal attention for a batch of sequences, each over its own cache and its own
+/// new rows. `q` is `[n, n_heads * head_dim]`, `k_new` and `v_new` `[n, kv_dim]`,
+/// the sequences' rows one after another as `seqs` says; writes `out`, shaped like
+/// `q`. Each (row, head) is computed whole by one thread in a fixed order, so a
+/// sequence's result does not depend on the others in the batch.
+pub fn attention(p: &AttnParams, q: &[f32], k_new: &[f32], v_new: &[f32], seqs: &[AttnSeq<'_>], out: &mut [f32]) {
     let hd = p.head_dim;
     let kv_dim = p.n_kv_heads * hd;
     let q_dim = p.n_heads * hd;
     let n = q.len() / q_dim;
     let group = p.n_heads / p.n_kv_heads;
-    let start = cache.len();
+    let mut row_seq = Vec::with_capacity(n);
+    for (si, s) in seqs.iter().enumerate() {
+        assert_eq!(s.first, row_seq.len(), "attention: sequences must cover the rows in order");
+        row_seq.extend(std::iter::repeat_n(si as u32, s.rows));
+    }
+    assert_eq!(row_seq.len(), n, "attention: the sequences cover {} rows of {n}", row_seq.len());
     let work = |(idx, o): (usize, &mut [f32])| {
-        let (i, h) = (idx / p.n_heads, idx % p.n_heads);
-        let pos = start + i;
+        let (row, h) = (idx / p.n_heads, idx % p.n_heads);
+        let s = &seqs[row_seq[row] as usize];
+        let (cache, start) = (s.cache, s.cache.len());
+        let pos = start + row - s.first;
         let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         assert!(lo >= cache.first(), "attention: position {lo} is no longer in the cache");
         let kh = (h / group) * hd;
-        let qh = &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
+        let qh = &q[row * q_dim + h * hd..row * q_dim + (h + 1) * hd];
+        // Position j of this sequence: in its cache, or one of its new rows.
+        let new_row = |j: usize| (s.first + j - start) * kv_dim + kh;
         let key = |j: usize| -> &[f32] {
-            if j < start {
-                &cache.key(j)[kh..kh + hd]
-            } else {
-                &k_new[(j - start) * kv_dim + kh..(j - start) * kv_dim + kh + hd]
-            }
+            if j < start { &cache.key(j)[kh..kh + hd] } else { &k_new[new_row(j)..new_row(j) + hd] }
         };
         let value = |j: usize| -> &[f32] {
-            if j < start {
-                &cache.value(j)[kh..kh + hd]
-            } else {
-                &v_new[(j - start) * kv_dim + kh..(j - start) * kv_dim + kh + hd]
-            }
+            if j < start { &cache.value(j)[kh..kh + hd] } else { &v_new[new_row(j)..new_row(j) + hd] }
         };
-        let mut s: Vec<f32> = (lo..=pos).map(|j| dot_f32(qh, key(j)) * p.scale).collect();
+        let mut sc: Vec<f32> = (lo..=pos).map(|j| dot_f32(qh, key(j)) * p.scale).collect();
         if let Some(cap) = p.softcap {
-            s.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
+            sc.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
         }
-        softmax(&mut s);
+        softmax(&mut sc);
         o.fill(0.0);
-        for (j, &w) in (lo..=pos).zip(&s) {
+        for (j, &w) in (lo..=pos).zip(&sc) {
             o.iter_mut().zip(value(j)).for_each(|(a, &b)| *a += w * b);
         }
     };
-    let total = n * p.n_heads * (start + n) * hd;
+    let total: usize = seqs.iter().map(|s| s.rows * p.n_heads * (s.cache.len() + s.rows) * hd).sum();
     if total >= 1 << 14 {
         out.par_chunks_mut(hd).enumerate().for_each(work);
     } else {
@@ -189,12 +202,13 @@ mod tests {
                 let mut s = 0;
                 while s < n {
                     let e = (s + chunk).min(n);
+                    let seq = [AttnSeq { first: 0, rows: e - s, cache: &cache }];
                     attention(
                         &p,
                         &q[s * qd..e * qd],
                         &k[s * kd..e * kd],
                         &v[s * kd..e * kd],
-                        &cache,
+                        &seq,
                         &mut got[s * qd..e * qd],
                     );
                     cache.append(&k[s * kd..e * kd], &v[s * kd..e * kd]);
@@ -205,5 +219,47 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Sequences of different lengths and cache sizes in one call: each is bitwise
+    /// what it gives alone.
+    #[test]
+    fn batch_of_sequences_equals_each_alone() {
+        let p =
+            AttnParams { n_heads: 4, n_kv_heads: 2, head_dim: 8, scale: 0.35, window: Some(5), softcap: Some(20.0) };
+        let (qd, kd) = (32, 16);
+        let fill = |n: usize, m: usize, seed: usize| -> Vec<f32> {
+            (0..n * m).map(|i| (((i + seed) * 7919 % 113) as f32 - 56.0) / 40.0).collect()
+        };
+        // (cached positions, new rows) per sequence.
+        let shape = [(0usize, 3usize), (7, 1), (2, 6), (9, 2)];
+        let mut caches = Vec::new();
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        let mut alone = Vec::new();
+        for (si, &(held, rows)) in shape.iter().enumerate() {
+            let mut c = KvCache::new(kd, p.window);
+            c.append(&fill(held, kd, 11 * si), &fill(held, kd, 13 * si));
+            let (qs, ks, vs) = (fill(rows, qd, 3 + si), fill(rows, kd, 5 + si), fill(rows, kd, 7 + si));
+            let mut o = vec![0f32; rows * qd];
+            attention(&p, &qs, &ks, &vs, &[AttnSeq { first: 0, rows, cache: &c }], &mut o);
+            alone.extend(o);
+            q.extend(qs);
+            k.extend(ks);
+            v.extend(vs);
+            caches.push(c);
+        }
+        let mut first = 0;
+        let seqs: Vec<AttnSeq> = shape
+            .iter()
+            .zip(&caches)
+            .map(|(&(_, rows), cache)| {
+                let s = AttnSeq { first, rows, cache };
+                first += rows;
+                s
+            })
+            .collect();
+        let mut got = vec![0f32; q.len()];
+        attention(&p, &q, &k, &v, &seqs, &mut got);
+        assert!(got == alone);
     }
 }

@@ -15,8 +15,9 @@ pub mod ops;
 mod par;
 mod plain;
 mod quant;
+pub mod router;
 
-pub use attention::{AttnParams, KvCache, attention};
+pub use attention::{AttnParams, AttnSeq, KvCache, attention};
 pub use dot::{dot_f32, dot_row, row_to_f32};
 pub use isa::{Isa, isa, set_avx2_vnni, set_isa};
 pub use matmul::{matmul, matmul_many};

@@ -1,6 +1,6 @@
 //! Element-wise and row-wise kernels: norms, activations, RoPE, softmax, top-k.
 
-use sluice_core::{Activation, RopeSpec, RopeStyle};
+use sluice_core::{Activation, Glu, RopeSpec, RopeStyle};
 
 /// RMS-normalises each `group`-long slice of `x` in place (a whole row, or one head),
 /// then multiplies by `weight + offset` when a weight is given.
@@ -109,16 +109,21 @@ pub fn top_k(x: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// Applies rotary embeddings to `x`, `n` rows of whole heads, row `i` at position
-/// `start + i`. Angles are `pos * inv_freq` in f32, as `transformers` computes them;
-/// pairs with a zero frequency are left as they are.
-pub fn rope(x: &mut [f32], n: usize, head_dim: usize, start: usize, spec: &RopeSpec) {
+/// Applies rotary embeddings to `x`, rows of whole heads, row `i` at position
+/// `positions[i]`. Angles are `pos * inv_freq` in f32, as `transformers` computes
+/// them; pairs with a zero frequency are left as they are.
+pub fn rope(x: &mut [f32], head_dim: usize, positions: &[usize], spec: &RopeSpec) {
     let half = head_dim / 2;
-    let row = x.len() / n.max(1);
+    let n = positions.len();
+    if n == 0 {
+        return;
+    }
+    let row = x.len() / n;
+    debug_assert_eq!(row * n, x.len());
     let pairs = spec.inv_freq.iter().rposition(|&f| f != 0.0).map_or(0, |p| p + 1);
     let mut cs = vec![(0f32, 0f32); pairs];
-    for (i, r) in x.chunks_mut(row).enumerate() {
-        let pos = (start + i) as f32;
+    for (r, &pos) in x.chunks_mut(row).zip(positions) {
+        let pos = pos as f32;
         for (c, &f) in cs.iter_mut().zip(&spec.inv_freq) {
             let a = pos * f;
             *c = (a.cos() * spec.attention_factor, a.sin() * spec.attention_factor);
@@ -134,6 +139,18 @@ pub fn rope(x: &mut [f32], n: usize, head_dim: usize, start: usize, spec: &RopeS
                 h[b] = x2 * cos + x1 * sin;
             }
         }
+    }
+}
+
+/// `gate = f(gate) * up` for any [`Glu`].
+pub fn glu_any(glu: Glu, gate: &mut [f32], up: &[f32]) {
+    match glu {
+        Glu::Gated(act) => self::glu(act, gate, up),
+        Glu::ClampedSwiglu { alpha, limit } => gate.iter_mut().zip(up).for_each(|(g, &u)| {
+            let x = g.min(limit);
+            let u = u.clamp(-limit, limit);
+            *g = x / (1.0 + exp_fast(-alpha * x)) * (u + 1.0);
+        }),
     }
 }
 
@@ -167,16 +184,16 @@ mod tests {
         let spec = RopeSpec::new(RopeStyle::Half, 10000.0, 8, 8, &RopeScaling::None);
         let mut x: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 + 0.3).collect();
         let before: f32 = x.iter().map(|v| v * v).sum();
-        rope(&mut x, 1, 8, 5, &spec);
+        rope(&mut x, 8, &[5, 6], &spec);
         let after: f32 = x.iter().map(|v| v * v).sum();
         assert!((before - after).abs() < 1e-4);
         // Position 0 is the identity.
         let mut y = vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
-        rope(&mut y, 1, 8, 0, &spec);
+        rope(&mut y, 8, &[0], &spec);
         assert_eq!(y, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
         // First pair at position 1 rotates by exactly 1 radian.
         let mut z = vec![1.0f32, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
-        rope(&mut z, 1, 8, 1, &spec);
+        rope(&mut z, 8, &[1], &spec);
         assert!((z[0] - 1f32.cos()).abs() < 1e-6 && (z[4] - 1f32.sin()).abs() < 1e-6);
     }
 

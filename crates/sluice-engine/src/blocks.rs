@@ -1,93 +1,65 @@
-//! Blocks the families share: attention, the gated MLP, routers and the routed
-//! experts. Each is written once against [`Backend`].
+//! What a forward pass carries through the layers ([`Cx`]), and the blocks the
+//! families share: attention and the gated MLP. Each is written once against
+//! [`Backend`]; the routed experts are in `moe.rs`.
 
-use sluice_core::{Activation, AttentionSpec, Error, Result};
+use sluice_core::{AttentionSpec, Error, Glu, Result};
 use sluice_experts::ExpertStore;
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
-use crate::backend::{Backend, Routing};
+use crate::backend::{AttnOp, Backend, Norm};
+use crate::batch::Batch;
+use crate::pilot::Pilot;
+use crate::state::SeqState;
 use crate::stats::Timers;
 
-/// What one forward step carries through the layers.
-pub struct Step<'a, B: Backend> {
+/// One forward pass over a batch of rows: the backend at this step's precisions,
+/// the batch, each sequence's state as it was before the step, and what the step
+/// collects on the way.
+pub struct Cx<'a, B: Backend> {
     pub be: &'a B,
-    /// Each layer's cache as it was before this step (`None` for layers that read
-    /// another layer's).
-    pub caches: &'a [Option<B::Kv>],
-    /// This step's keys and values per layer, appended to the caches after the last
-    /// layer has run.
-    pub pending: Vec<Option<(B::Act, B::Act)>>,
-    pub store: &'a ExpertStore,
-    pub timers: &'a mut Timers,
-    pub eps: f32,
-    pub norm_offset: f32,
-    /// Next-layer router probes (`--prefetch pilot`), when on for this step.
-    pub pilot: Option<&'a mut Pilot>,
+    pub batch: &'a Batch,
+    /// Each sequence's state, in batch order.
+    pub(crate) states: &'a [&'a SeqState<B>],
+    /// This step's keys and values per layer (all rows), appended to each
+    /// sequence's cache once every layer has run.
+    pub(crate) pending: Vec<Option<(B::Act, B::Act)>>,
+    pub(crate) store: &'a ExpertStore,
+    pub(crate) timers: &'a mut Timers,
+    pub(crate) pilot: Option<Pilot<'a, B>>,
+    pub(crate) eps: f32,
+    pub(crate) norm_offset: f32,
+    /// Set when an expert read failed: the sequences (batch indices) it stops.
+    pub(crate) affected: Option<Vec<usize>>,
 }
 
-impl<B: Backend> Step<'_, B> {
-    /// RMS norm over whole rows, with a weight.
-    pub fn norm(&self, x: &mut B::Act, w: &B::Vector, width: usize) {
-        self.be.rms_norm(x, width, Some(w), self.norm_offset, self.eps);
+impl<'a, B: Backend> Cx<'a, B> {
+    /// RMS norm over groups of `width` (whole rows, or heads), with a weight.
+    pub fn norm(&self, x: &mut B::Act, w: &B::Vector, width: usize) -> Result<()> {
+        self.be.rms_norm(x, &Norm { group: width, weight: Some(w), offset: self.norm_offset, eps: self.eps })
     }
 
-    /// Whether this step probes the next layer's router.
-    pub fn piloting(&self) -> bool {
-        self.pilot.is_some()
+    /// RMS norm over groups of `width` without a weight.
+    pub fn norm_plain(&self, x: &mut B::Act, width: usize) -> Result<()> {
+        self.be.rms_norm(x, &Norm { group: width, weight: None, offset: 0.0, eps: self.eps })
     }
 
-    /// Starts reading the experts a pilot probe predicts for `layer`.
-    pub fn prefetch(&mut self, layer: usize, predicted: &Routing) {
-        let ids = predicted.unique();
-        self.store.prefetch(layer, &ids);
-        if let Some(p) = self.pilot.as_deref_mut() {
-            p.stats.probes += 1;
-            p.stats.predicted += ids.len() as u64;
-            p.predicted[layer] = Some(ids);
-        }
+    /// `norm(x)` as a new activation, `x` left as it is (a pre-norm block's input).
+    pub fn normed(&self, x: &B::Act, w: &B::Vector, width: usize) -> Result<B::Act> {
+        let mut h = self.be.copy(x)?;
+        self.norm(&mut h, w, width)?;
+        Ok(h)
     }
 
-    /// Scores the pilot's prediction for `layer` against the experts it really routed to.
-    pub fn observe(&mut self, layer: usize, routing: &Routing) {
-        if let Some(p) = self.pilot.as_deref_mut()
-            && let Some(pred) = p.predicted[layer].take()
-        {
-            let actual = routing.unique();
-            p.stats.chosen += actual.len() as u64;
-            p.stats.recalled += actual.iter().filter(|e| pred.contains(e)).count() as u64;
-        }
+    /// The rows of the token embedding table for this step's tokens, times `scale`.
+    pub fn embed(&mut self, table: &B::Mat, tokens: &[u32], scale: f32) -> Result<B::Act> {
+        let be = self.be;
+        self.timers.time(|t| &mut t.embed, || be.embed(table, tokens, scale))
     }
-}
 
-/// Next-layer router probes: while layer l runs, layer l+1's router is applied to
-/// the residual after layer l's attention, and the experts it picks are read ahead.
-#[derive(Debug, Default)]
-pub struct Pilot {
-    predicted: Vec<Option<Vec<usize>>>,
-    pub stats: PilotStats,
-}
-
-impl Pilot {
-    pub fn new(n_layers: usize) -> Self {
-        Pilot { predicted: vec![None; n_layers], stats: PilotStats::default() }
-    }
-}
-
-#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
-pub struct PilotStats {
-    /// Probes run (one per MoE layer per decode step).
-    pub probes: u64,
-    /// Experts the probes predicted, and how many experts the routers really chose.
-    pub predicted: u64,
-    pub chosen: u64,
-    /// Chosen experts that had been predicted.
-    pub recalled: u64,
-}
-
-impl PilotStats {
-    /// Predicted among the chosen.
-    pub fn recall(&self) -> Option<f64> {
-        (self.chosen > 0).then(|| self.recalled as f64 / self.chosen as f64)
+    /// Each sequence's KV cache of layer `layer`, in batch order.
+    fn caches(&self, layer: usize) -> Result<Vec<&'a B::Kv>> {
+        let states: &'a [&'a SeqState<B>] = self.states;
+        states.iter().map(|s| s.kv(layer)).collect()
     }
 }
 
@@ -99,6 +71,13 @@ pub fn load_vector<B: Backend>(be: &B, ckpt: &Checkpoint, id: TensorId, n: usize
 /// Loads a matrix `[rows, cols]`.
 pub fn load_mat<B: Backend>(be: &B, ckpt: &Checkpoint, id: TensorId, rows: usize, cols: usize) -> Result<B::Mat> {
     be.mat(&ckpt.tensor(id, &[rows, cols])?)
+}
+
+/// The output projection: the tied embedding table, or `lm_head`.
+pub fn load_output<B: Backend>(be: &B, ckpt: &Checkpoint) -> Result<B::Mat> {
+    let spec = &ckpt.spec;
+    let kind = if spec.tie_word_embeddings { TensorKind::TokenEmbd } else { TensorKind::Output };
+    load_mat(be, ckpt, TensorId::model(kind), spec.vocab_size, spec.hidden_size)
 }
 
 pub struct Attention<B: Backend> {
@@ -116,7 +95,9 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    pub fn load(be: &B, ckpt: &Checkpoint, layer: usize, spec: &AttentionSpec, hidden: usize) -> Result<Self> {
+    pub fn load(be: &B, ckpt: &Checkpoint, layer: usize) -> Result<Self> {
+        let spec = &ckpt.spec.layers[layer].attention;
+        let hidden = ckpt.spec.hidden_size;
         let id = |k| TensorId::layer(layer, k);
         let (qd, kvd, hd) = (spec.q_dim(), spec.kv_dim(), spec.head_dim);
         let own_kv = spec.kv_source.is_none();
@@ -144,138 +125,91 @@ impl<B: Backend> Attention<B> {
         })
     }
 
-    /// `h` is the normed input `[n, hidden]`; returns the o-projection's output.
-    pub fn forward(&self, step: &mut Step<'_, B>, h: &B::Act) -> B::Act {
-        let be = step.be;
+    /// `h` is the normed input `[rows, hidden]`; returns the o-projection's output.
+    pub fn forward(&self, cx: &mut Cx<'_, B>, h: &B::Act) -> Result<B::Act> {
         let s = &self.spec;
         let hd = s.head_dim;
         let src = s.kv_source.unwrap_or(self.layer);
-        let start = step.caches[src].as_ref().map_or(0, |c| be.kv_len(c));
+        let be = cx.be;
         // The projections of `h` in one job: q, and k and v where this layer has them.
         let ws: Vec<&B::Mat> =
             [Some(&self.q), self.k.as_ref(), self.k.as_ref().and(self.v.as_ref())].into_iter().flatten().collect();
-        let mut proj = be.matmul_many(h, &ws).into_iter();
+        let mut proj = be.matmul_many(h, &ws)?.into_iter();
         let mut q = proj.next().expect("q");
         if let Some(b) = &self.biases {
-            be.add_row(&mut q, &b[0]);
+            be.add_row(&mut q, &b[0])?;
         }
         if let Some(w) = &self.q_norm {
-            be.rms_norm(&mut q, hd, Some(w), step.norm_offset, step.eps);
+            cx.norm(&mut q, w, hd)?;
         }
-        be.rope(&mut q, hd, start, &s.rope);
+        be.rope(&mut q, hd, cx.batch, &s.rope)?;
 
         if self.k.is_some() {
             let mut k = proj.next().expect("k");
             if let Some(b) = &self.biases {
-                be.add_row(&mut k, &b[1]);
+                be.add_row(&mut k, &b[1])?;
             }
             // k_eq_v: V is the k projection before k norm and RoPE.
             let mut v = match proj.next() {
                 Some(mut v) => {
                     if let Some(b) = &self.biases {
-                        be.add_row(&mut v, &b[2]);
+                        be.add_row(&mut v, &b[2])?;
                     }
                     v
                 }
-                None => be.copy(&k),
+                None => be.copy(&k)?,
             };
             if let Some(w) = &self.k_norm {
-                be.rms_norm(&mut k, hd, Some(w), step.norm_offset, step.eps);
+                cx.norm(&mut k, w, hd)?;
             }
             if s.v_norm {
-                be.rms_norm(&mut v, hd, None, 0.0, step.eps);
+                cx.norm_plain(&mut v, hd)?;
             }
-            be.rope(&mut k, hd, start, &s.rope);
-            step.pending[self.layer] = Some((k, v));
+            be.rope(&mut k, hd, cx.batch, &s.rope)?;
+            cx.pending[self.layer] = Some((k, v));
         }
-        let (k, v) = step.pending[src].as_ref().expect("a KV-sharing layer runs after the layer it reads");
-        let cache = step.caches[src].as_ref().expect("the source layer has a cache");
-        let a = step.timers.time(|t| &mut t.attention, || be.attention(s, &q, k, v, cache));
+        let (k, v) = cx.pending[src].as_ref().ok_or_else(|| {
+            Error::Unsupported(format!("layer {} reads the KV of layer {src}, which has none", self.layer))
+        })?;
+        let caches = cx.caches(src)?;
+        let op = AttnOp { spec: s, q: &q, k, v, batch: cx.batch, caches: &caches };
+        let a = cx.timers.time(|t| &mut t.attention, || be.attention(&op))?;
         be.matmul(&a, &self.o)
     }
 }
 
-/// `down(act(gate(h)) * up(h))`.
+/// `down(glu(gate(h), up(h)))`.
 pub struct Mlp<B: Backend> {
     gate: B::Mat,
     up: B::Mat,
     down: B::Mat,
+    glu: Glu,
 }
 
 impl<B: Backend> Mlp<B> {
-    pub fn load(be: &B, ckpt: &Checkpoint, layer: usize, hidden: usize, inter: usize) -> Result<Self> {
+    pub fn load(be: &B, ckpt: &Checkpoint, layer: usize, inter: usize) -> Result<Self> {
         let id = |k| TensorId::layer(layer, k);
+        let hidden = ckpt.spec.hidden_size;
         Ok(Mlp {
             gate: load_mat(be, ckpt, id(TensorKind::FfnGate), inter, hidden)?,
             up: load_mat(be, ckpt, id(TensorKind::FfnUp), inter, hidden)?,
             down: load_mat(be, ckpt, id(TensorKind::FfnDown), hidden, inter)?,
+            glu: Glu::Gated(ckpt.spec.activation),
         })
     }
 
-    pub fn forward(&self, step: &mut Step<'_, B>, h: &B::Act, act: Activation) -> B::Act {
-        let be = step.be;
-        step.timers.time(
+    pub fn forward(&self, cx: &mut Cx<'_, B>, h: &B::Act) -> Result<B::Act> {
+        let be = cx.be;
+        cx.timers.time(
             |t| &mut t.mlp,
             || {
-                let mut gu = be.matmul_many(h, &[&self.gate, &self.up]).into_iter();
+                let mut gu = be.matmul_many(h, &[&self.gate, &self.up])?.into_iter();
                 let (mut g, u) = (gu.next().expect("gate"), gu.next().expect("up"));
-                be.glu(&mut g, &u, act);
+                be.glu(&mut g, &u, self.glu)?;
                 be.matmul(&g, &self.down)
             },
         )
     }
-}
-
-/// What turns router logits into a routing.
-pub struct RouterParams<'a> {
-    pub n_experts: usize,
-    pub top_k: usize,
-    /// Renormalise the top-k probabilities to sum to one.
-    pub renormalize: bool,
-    /// Added to the logits before the softmax.
-    pub bias: Option<&'a [f32]>,
-    /// Multiplies each chosen expert's weight (Gemma 4).
-    pub expert_scale: Option<&'a [f32]>,
-}
-
-/// softmax over the router logits of each token (plus an optional bias), top-k,
-/// optionally renormalised, optionally times a per-expert scale.
-pub fn route(logits: &[f32], p: &RouterParams<'_>) -> Routing {
-    let (n_experts, top_k) = (p.n_experts, p.top_k);
-    let n = logits.len() / n_experts;
-    let mut r = Routing { top_k, ids: Vec::with_capacity(n * top_k), weights: Vec::with_capacity(n * top_k) };
-    for row in logits.chunks(n_experts) {
-        let mut prob = row.to_vec();
-        if let Some(b) = p.bias {
-            prob.iter_mut().zip(b).for_each(|(l, b)| *l += b);
-        }
-        sluice_cpu::ops::softmax(&mut prob);
-        let ids = sluice_cpu::ops::top_k(&prob, top_k);
-        let sum: f32 = ids.iter().map(|&i| prob[i]).sum();
-        for &i in &ids {
-            let mut w = if p.renormalize { prob[i] / sum } else { prob[i] };
-            if let Some(s) = p.expert_scale {
-                w *= s[i];
-            }
-            r.ids.push(i);
-            r.weights.push(w);
-        }
-    }
-    r
-}
-
-/// Runs the routed experts of `layer` on `x` through the expert store.
-pub fn experts<B: Backend>(
-    step: &mut Step<'_, B>,
-    layer: usize,
-    x: &B::Act,
-    routing: &Routing,
-    act: Activation,
-) -> Result<B::Act> {
-    let store = step.store;
-    let lease = step.timers.time(|t| &mut t.expert_wait, || store.fetch(layer, &routing.unique()))?;
-    let be = step.be;
-    Ok(step.timers.time(|t| &mut t.expert_compute, || be.experts(x, routing, &lease, act)))
 }
 
 /// Checks token ids against a vocabulary before any lookup.

@@ -1,13 +1,19 @@
 //! The engine: the backend interface, the model families built from shared blocks,
-//! KV caches, sessions, sampling and statistics.
+//! layer state, batched steps over many sequences, sessions, sampling and statistics.
 
 pub mod backend;
+pub mod batch;
 pub mod blocks;
 pub mod families;
 pub mod model;
+pub mod moe;
+pub mod pilot;
 pub mod sampler;
+pub mod state;
 pub mod stats;
 
 pub use backend::{Backend, Cpu};
-pub use model::{GenerationStats, LoadOptions, Logits, Model, Prefetch, Session};
+pub use model::{Chunk, GenerationStats, LoadOptions, Logits, Model, Prefetch, Session, StepStats};
+pub use pilot::PilotStats;
 pub use sampler::{Sampler, SamplerConfig};
+pub use state::{SeqState, StateSpec};

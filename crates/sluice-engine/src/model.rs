@@ -1,4 +1,12 @@
-//! A loaded model and the sessions that run it.
+//! A loaded model, the steps that run it over many sequences at once, and the
+//! one-sequence [`Session`] built on them.
+//!
+//! [`Model::step`] takes any set of sequences, each with the tokens it feeds this
+//! step (a prompt chunk, or one token to decode), and runs them as one batch: every
+//! weight is read once for all of their rows, and a MoE layer fetches the union of
+//! their experts once. Each sequence's rows are computed exactly as they would be
+//! alone (the kernels' rows do not depend on each other, and a row's activation
+//! precision follows its own sequence), so batching never changes a result.
 
 use std::path::Path;
 
@@ -7,12 +15,15 @@ use sluice_experts::{ExpertStore, StoreConfig};
 use sluice_formats::Checkpoint;
 
 use crate::backend::{Backend, Cpu};
-use crate::blocks::{Pilot, Step, check_tokens};
-use crate::families::{Network, gemma::Gemma, llama::Llama};
+use crate::batch::Batch;
+use crate::blocks::{Cx, check_tokens};
+use crate::families::{Network, gemma3::Gemma3, gemma4::Gemma4, llama::Llama};
+use crate::pilot::{Pilot, PilotStats};
+use crate::state::{SeqState, StateSpec};
 use crate::stats::Timers;
 
-/// Longest run of tokens pushed through the layers at once; longer prompts are
-/// prefilled in chunks of this size to bound activation memory.
+/// Most rows pushed through the layers at once; longer steps run in passes of this
+/// many rows to bound activation memory.
 pub const PREFILL_CHUNK: usize = 512;
 
 /// Read-ahead of routed experts.
@@ -29,34 +40,62 @@ pub enum Prefetch {
 pub struct LoadOptions {
     pub store: StoreConfig,
     pub prefetch: Prefetch,
-    /// Activation precision for every step; `None` picks per step ([`Model::precision`]).
+    /// Activation precision for every step; `None` picks per sequence ([`Model::precision`]).
     pub precision: Option<Precision>,
 }
 
-/// Decode-sized steps probe the next layer's router; a prefill chunk touches most
-/// experts anyway, so probing it would only read ahead what it is about to read.
+/// Passes whose sequences each feed at most this many tokens (decode) probe the next
+/// layer's router; a prompt chunk touches most experts anyway, so probing it would
+/// only read ahead what it is about to read.
 const PILOT_MAX_TOKENS: usize = 4;
 
 pub struct Model<B: Backend = Cpu> {
     pub spec: ModelSpec,
     pub be: B,
     net: Box<dyn Network<B>>,
+    state: Vec<StateSpec>,
     pub store: ExpertStore,
-    /// The most positions a session may hold (the model's, or less if asked).
+    /// The most positions a sequence may hold (the model's, or less if asked).
     pub max_context: usize,
     pub prefetch: Prefetch,
     /// Activation precision of quantized matrix products. `None` (the default) picks
-    /// per step: [`Precision::Accurate`] for one token (a decode step, mostly
-    /// reading and unpacking weights, where it costs at most a few percent) and
-    /// [`Precision::Fast`] for several (a prefill, bound by arithmetic, where it
-    /// would cost 6-24%). A prompt's
-    /// last token is then run on its own ([`Session::prefill`]), so every sampled
-    /// token comes from accurate logits.
+    /// per sequence and step: [`Precision::Accurate`] for a sequence feeding one token
+    /// (a decode step, mostly reading and unpacking weights, where it costs at most a
+    /// few percent) and [`Precision::Fast`] for one feeding several (a prefill,
+    /// bound by arithmetic, where it would cost 6-24%). A prompt's last token is then
+    /// run on its own ([`Session::prefill`]), so every sampled token comes from
+    /// accurate logits.
     pub precision: Option<Precision>,
     /// Weight bytes one decode step reads: every resident matrix, the output
     /// projection, one row of each embedding table, and top-k experts per MoE layer
     /// (their average size). Divided into memory bandwidth it gives the roofline.
     pub bytes_per_token: u64,
+}
+
+/// Which rows of logits a step returns for a sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// One row per token fed.
+    All,
+    /// Only the last token's row (generation).
+    Last,
+    /// None: the tokens only fill the state.
+    None,
+}
+
+/// One sequence's part of a step.
+pub struct Chunk<'a, B: Backend> {
+    pub state: &'a mut SeqState<B>,
+    /// The tokens it feeds, after what its state holds.
+    pub tokens: &'a [u32],
+    pub logits: Logits,
+}
+
+/// Timings and probe counts, summed over the steps that were given them.
+#[derive(Clone, Debug, Default)]
+pub struct StepStats {
+    pub timers: Timers,
+    pub pilot: PilotStats,
 }
 
 impl Model<Cpu> {
@@ -67,7 +106,22 @@ impl Model<Cpu> {
     }
 }
 
-impl<B: Backend + 'static> Model<B> {
+/// Part of a pass: `len` tokens of chunk `chunk`, from its token `from`.
+#[derive(Clone, Copy, Debug)]
+struct Part {
+    chunk: usize,
+    from: usize,
+    len: usize,
+}
+
+/// Why a pass failed, and whom it stops.
+struct PassError {
+    error: Error,
+    /// The chunks it stops, if it could tell (an expert read that fails for them).
+    affected: Option<Vec<usize>>,
+}
+
+impl<B: Backend> Model<B> {
     /// Loads with every expert served in place from the mapped files.
     pub fn load(be: B, ckpt: &Checkpoint) -> Result<Model<B>> {
         Model::load_with(be, ckpt, &LoadOptions::default(), None)
@@ -82,7 +136,8 @@ impl<B: Backend + 'static> Model<B> {
         progress: Option<&mut dyn FnMut(u64, u64)>,
     ) -> Result<Model<B>> {
         let net: Box<dyn Network<B>> = match ckpt.family() {
-            Family::Gemma => Box::new(Gemma::load(&be, ckpt)?),
+            Family::Gemma if ckpt.spec.arch == "gemma4" => Box::new(Gemma4::load(&be, ckpt)?),
+            Family::Gemma => Box::new(Gemma3::load(&be, ckpt)?),
             Family::Llama => Box::new(Llama::load(&be, ckpt)?),
         };
         let store = ExpertStore::open(ckpt, &opts.store, progress)?;
@@ -92,23 +147,257 @@ impl<B: Backend + 'static> Model<B> {
             prefetch: if ckpt.spec.is_moe() { opts.prefetch } else { Prefetch::Off },
             precision: opts.precision,
             bytes_per_token: decode_bytes_per_token(ckpt, &store),
+            state: net.state(),
             store,
             be,
             net,
         })
     }
 
-    pub fn session(&self) -> Session<'_, B> {
-        let caches = self
-            .spec
-            .layers
-            .iter()
-            .map(|l| {
-                let a = &l.attention;
-                a.kv_source.is_none().then(|| self.be.kv_new(a.kv_dim(), a.window))
+    /// A new, empty sequence.
+    pub fn new_state(&self) -> Result<SeqState<B>> {
+        SeqState::new(&self.be, &self.state)
+    }
+
+    /// A one-sequence session.
+    pub fn session(&self) -> Result<Session<'_, B>> {
+        Ok(Session { model: self, state: self.new_state()?, stats: StepStats::default() })
+    }
+
+    /// Whether `tokens` may follow what `state` holds: ids in the vocabularies, and
+    /// room in the context.
+    fn check_chunk(&self, state: &SeqState<B>, tokens: &[u32]) -> Result<()> {
+        check_tokens(tokens, self.spec.vocab_size)?;
+        self.net.check(tokens)?;
+        let needed = state.len() + tokens.len();
+        if needed > self.max_context {
+            return Err(Error::ContextTooLong { needed, limit: self.max_context });
+        }
+        Ok(())
+    }
+
+    /// Runs one step over several sequences as one batch and returns each one's
+    /// logits (`[rows, vocab]` flattened, the rows its [`Logits`] asks for), in the
+    /// order given. A sequence whose tokens are not valid for it (outside the
+    /// vocabulary, past the context), or whose experts cannot be read, gets an
+    /// error and keeps its state as it was; the others go on. Steps of more than
+    /// [`PREFILL_CHUNK`] rows run in passes of that many: a sequence that fails in a
+    /// later pass keeps the tokens of the passes before.
+    pub fn step(&self, chunks: &mut [Chunk<'_, B>], stats: &mut StepStats) -> Vec<Result<Vec<f32>>> {
+        // Run on a worker of the kernels' thread pool, not beside it: a caller
+        // outside the pool would be one runnable thread more than there are workers,
+        // and between parallel kernels the idle workers' spinning would take its core.
+        if rayon::current_thread_index().is_some() {
+            self.step_in_pool(chunks, stats)
+        } else {
+            rayon::scope(|_| self.step_in_pool(chunks, stats))
+        }
+    }
+
+    fn step_in_pool(&self, chunks: &mut [Chunk<'_, B>], stats: &mut StepStats) -> Vec<Result<Vec<f32>>> {
+        let mut results: Vec<Option<Result<Vec<f32>>>> =
+            chunks.iter().map(|c| self.check_chunk(c.state, c.tokens).err().map(Err)).collect();
+        let mut out: Vec<Vec<f32>> = vec![Vec::new(); chunks.len()];
+        let mut done = vec![0usize; chunks.len()];
+        loop {
+            // The next pass: every live chunk's next tokens, in order, up to the row budget.
+            let mut parts = Vec::new();
+            let mut room = PREFILL_CHUNK;
+            for (i, c) in chunks.iter().enumerate() {
+                let left = c.tokens.len() - done[i];
+                if results[i].is_some() || left == 0 || room == 0 {
+                    continue;
+                }
+                let len = left.min(room);
+                parts.push(Part { chunk: i, from: done[i], len });
+                room -= len;
+            }
+            if parts.is_empty() {
+                break;
+            }
+            match self.pass(chunks, &parts, stats) {
+                Ok(logits) => {
+                    for (p, l) in parts.iter().zip(logits) {
+                        out[p.chunk].extend(l);
+                        done[p.chunk] += p.len;
+                    }
+                }
+                Err(PassError { error, affected }) => {
+                    // Those it stops end with the error; a pass that fails for no
+                    // one in particular ends all of its sequences.
+                    let stopped = affected.unwrap_or_else(|| parts.iter().map(|p| p.chunk).collect());
+                    for c in stopped {
+                        results[c] = Some(Err(error.duplicate()));
+                    }
+                }
+            }
+        }
+        results.into_iter().zip(out).map(|(r, o)| r.unwrap_or(Ok(o))).collect()
+    }
+
+    /// Feeds each sequence its prompt and returns the last token's logits, the ones
+    /// its first generated token is sampled from. When the model picks precision per
+    /// sequence, the prompts' last tokens run as a step of their own (so those logits
+    /// are accurate too); the rest of the prompts run together before it. Errors are
+    /// per sequence, as in [`Model::step`]; a prompt that is not valid is refused
+    /// before any of it runs.
+    pub fn prefill(
+        &self,
+        states: &mut [&mut SeqState<B>],
+        prompts: &[&[u32]],
+        stats: &mut StepStats,
+    ) -> Vec<Result<Vec<f32>>> {
+        assert_eq!(states.len(), prompts.len(), "prefill: one prompt per state");
+        let mut results: Vec<Option<Result<Vec<f32>>>> =
+            states.iter().zip(prompts).map(|(s, p)| self.check_chunk(s, p).err().map(Err)).collect();
+        let split = self.precision.is_none();
+        // Phase 0: all but the last tokens (when split); phase 1: the rest.
+        for phase in 0..2 {
+            let mut chunks = Vec::new();
+            let mut which = Vec::new();
+            for (i, (state, p)) in states.iter_mut().zip(prompts).enumerate() {
+                let cut = if split { p.len().saturating_sub(1) } else { 0 };
+                let (tokens, logits) = if phase == 0 { (&p[..cut], Logits::None) } else { (&p[cut..], Logits::Last) };
+                if results[i].is_none() && (phase == 1 || !tokens.is_empty()) {
+                    chunks.push(Chunk { state: &mut **state, tokens, logits });
+                    which.push(i);
+                }
+            }
+            for (i, r) in which.into_iter().zip(self.step(&mut chunks, stats)) {
+                match r {
+                    Err(e) => results[i] = Some(Err(e)),
+                    Ok(l) if phase == 1 => results[i] = Some(Ok(l)),
+                    Ok(_) => {}
+                }
+            }
+        }
+        results.into_iter().map(|r| r.expect("every prompt ends in a result")).collect()
+    }
+
+    /// The precision of a chunk's rows.
+    fn precision_of(&self, c: &Chunk<'_, B>) -> Precision {
+        self.precision.unwrap_or(if c.tokens.len() == 1 { Precision::Accurate } else { Precision::Fast })
+    }
+
+    /// One forward pass over `parts`, then the logits asked for and the state updates.
+    /// A failure changes no state. An expert read that fails is tried again once
+    /// when it failed for no sequence on its own (a passing fault).
+    fn pass(
+        &self,
+        chunks: &mut [Chunk<'_, B>],
+        parts: &[Part],
+        stats: &mut StepStats,
+    ) -> Result<Vec<Vec<f32>>, PassError> {
+        let mut tries = 0;
+        loop {
+            match self.try_pass(chunks, parts, stats) {
+                Err(PassError { affected: Some(a), .. }) if a.is_empty() && tries == 0 => tries += 1,
+                Err(PassError { error, affected: Some(a) }) if a.is_empty() => {
+                    return Err(PassError { error, affected: None });
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn try_pass(
+        &self,
+        chunks: &mut [Chunk<'_, B>],
+        parts: &[Part],
+        stats: &mut StepStats,
+    ) -> Result<Vec<Vec<f32>>, PassError> {
+        let fail = |error| PassError { error, affected: None };
+        let tokens: Vec<u32> =
+            parts.iter().flat_map(|p| &chunks[p.chunk].tokens[p.from..p.from + p.len]).copied().collect();
+        let shape: Vec<(usize, usize, Precision)> =
+            parts.iter().map(|p| (chunks[p.chunk].state.len(), p.len, self.precision_of(&chunks[p.chunk]))).collect();
+        let batch = Batch::new(&shape);
+        let be = self.be.with_precision(batch.precision.clone());
+        let piloting =
+            self.prefetch == Prefetch::Pilot && parts.iter().all(|p| chunks[p.chunk].tokens.len() <= PILOT_MAX_TOKENS);
+        let mut pilot_stats = PilotStats::default();
+        let (x, pending) = {
+            let states: Vec<&SeqState<B>> = parts.iter().map(|p| &*chunks[p.chunk].state).collect();
+            let mut cx = Cx {
+                be: &be,
+                batch: &batch,
+                states: &states,
+                pending: (0..self.spec.n_layers()).map(|_| None).collect(),
+                store: &self.store,
+                timers: &mut stats.timers,
+                pilot: piloting.then(|| Pilot::new(self.net.as_ref(), self.spec.n_layers(), &mut pilot_stats)),
+                eps: self.spec.rms_norm_eps,
+                norm_offset: self.spec.norm_weight_offset,
+                affected: None,
+            };
+            match self.net.forward(&mut cx, &tokens) {
+                Ok(x) => (x, std::mem::take(&mut cx.pending)),
+                Err(error) => {
+                    let affected = cx.affected.map(|a| a.into_iter().map(|s| parts[s].chunk).collect());
+                    return Err(PassError { error, affected });
+                }
+            }
+        };
+        stats.pilot.add(&pilot_stats);
+
+        // The rows whose logits are wanted, and how many of them each part gets.
+        let mut rows = Vec::new();
+        let mut counts = Vec::with_capacity(parts.len());
+        for (p, s) in parts.iter().zip(&batch.seqs) {
+            let c = &chunks[p.chunk];
+            let last = p.from + p.len == c.tokens.len();
+            let before = rows.len();
+            match c.logits {
+                Logits::All => rows.extend(s.first..s.first + s.rows),
+                Logits::Last if last => rows.push(s.first + s.rows - 1),
+                _ => {}
+            }
+            counts.push(rows.len() - before);
+        }
+        let logits = if rows.is_empty() { Vec::new() } else { self.logits(&be, &x, &rows, stats).map_err(fail)? };
+
+        // Nothing failed: the sequences take their new keys and values.
+        for (p, s) in parts.iter().zip(&batch.seqs) {
+            let state = &mut *chunks[p.chunk].state;
+            for (layer, kv) in pending.iter().enumerate() {
+                if let (Some((k, v)), Some(cache)) = (kv, state.kv_mut(layer)) {
+                    be.kv_append(cache, k, v, *s).map_err(fail)?;
+                }
+            }
+            state.advance(p.len);
+        }
+        let vocab = self.spec.vocab_size;
+        let mut at = 0;
+        Ok(counts
+            .into_iter()
+            .map(|n| {
+                let l = logits[at * vocab..(at + n) * vocab].to_vec();
+                at += n;
+                l
             })
-            .collect();
-        Session { model: self, caches, timers: Timers::default(), pilot: Pilot::new(self.spec.n_layers()) }
+            .collect())
+    }
+
+    /// The output projection of rows `rows` of the final hidden states.
+    fn logits(&self, be: &B, x: &B::Act, rows: &[usize], stats: &mut StepStats) -> Result<Vec<f32>> {
+        stats.timers.time(
+            |t| &mut t.lm_head,
+            || {
+                let all = rows.len() == be.n_rows(x) && rows.iter().enumerate().all(|(i, &r)| i == r);
+                let picked;
+                let x = if all {
+                    x
+                } else {
+                    picked = be.gather_rows(x, rows)?;
+                    &picked
+                };
+                let mut l = be.matmul(x, self.net.lm_head())?;
+                if let Some(cap) = self.spec.final_logit_softcap {
+                    be.softcap(&mut l, cap)?;
+                }
+                be.to_host(&l)
+            },
+        )
     }
 }
 
@@ -134,117 +423,11 @@ fn decode_bytes_per_token(ckpt: &Checkpoint, store: &ExpertStore) -> u64 {
     bytes
 }
 
-/// One sequence being run: its KV caches and timings.
+/// One sequence being run: its state and the timings of its steps.
 pub struct Session<'m, B: Backend> {
     model: &'m Model<B>,
-    caches: Vec<Option<B::Kv>>,
-    pub timers: Timers,
-    pub pilot: Pilot,
-}
-
-/// Which rows of logits a forward call returns.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Logits {
-    /// One row per input token.
-    All,
-    /// Only the last token's row (generation).
-    Last,
-    /// None: the tokens only fill the caches.
-    None,
-}
-
-impl<B: Backend + 'static> Session<'_, B> {
-    /// Positions held so far.
-    pub fn len(&self) -> usize {
-        self.caches.iter().flatten().next().map_or(0, |c| self.model.be.kv_len(c))
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Bytes held by the KV caches.
-    pub fn kv_bytes(&self) -> usize {
-        self.caches.iter().flatten().map(|c| self.model.be.kv_bytes(c)).sum()
-    }
-
-    pub fn reset(&mut self) {
-        *self = self.model.session();
-    }
-
-    /// Runs `tokens` after what the session already holds and returns their logits,
-    /// `[rows, vocab]` flattened. If it fails, the caches keep the chunks of
-    /// [`PREFILL_CHUNK`] tokens before the one that failed ([`Session::len`] says how
-    /// far it got); a prompt of one chunk leaves them as they were.
-    pub fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
-        // Run the step on a worker of the kernels' thread pool, not beside it: a
-        // caller outside the pool would be one runnable thread more than there are
-        // workers, and between parallel kernels the idle workers' spinning would
-        // take its core.
-        if rayon::current_thread_index().is_some() {
-            self.forward_in_pool(tokens, which)
-        } else {
-            rayon::scope(|_| self.forward_in_pool(tokens, which))
-        }
-    }
-
-    /// Whether `tokens` may follow what the session holds: ids in the vocabulary,
-    /// and room in the context.
-    fn check_next(&self, tokens: &[u32]) -> Result<()> {
-        let m = self.model;
-        check_tokens(tokens, m.spec.vocab_size)?;
-        let needed = self.len() + tokens.len();
-        if needed > m.max_context {
-            return Err(Error::ContextTooLong { needed, limit: m.max_context });
-        }
-        Ok(())
-    }
-
-    fn forward_in_pool(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
-        let m = self.model;
-        self.check_next(tokens)?;
-        let mut out = Vec::new();
-        let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
-        for (ci, chunk) in chunks.iter().enumerate() {
-            let last_chunk = ci + 1 == chunks.len();
-            let pilot = (m.prefetch == Prefetch::Pilot && chunk.len() <= PILOT_MAX_TOKENS).then_some(&mut self.pilot);
-            let precision = m.precision.unwrap_or(if chunk.len() == 1 { Precision::Accurate } else { Precision::Fast });
-            let be = &m.be.with_precision(precision);
-            let mut step = Step {
-                be,
-                caches: &self.caches,
-                pending: (0..self.caches.len()).map(|_| None).collect(),
-                store: &m.store,
-                timers: &mut self.timers,
-                eps: m.spec.rms_norm_eps,
-                norm_offset: m.spec.norm_weight_offset,
-                pilot,
-            };
-            let x = m.net.forward(&mut step, chunk)?;
-            let pending = std::mem::take(&mut step.pending);
-            if which == Logits::All || (which == Logits::Last && last_chunk) {
-                let x = if which == Logits::Last { be.row(&x, be.rows(&x) - 1) } else { x };
-                let head = m.net.lm_head();
-                let logits = self.timers.time(
-                    |t| &mut t.lm_head,
-                    || {
-                        let mut l = be.matmul(&x, head);
-                        if let Some(cap) = m.spec.final_logit_softcap {
-                            be.softcap(&mut l, cap);
-                        }
-                        be.to_host(&l)
-                    },
-                );
-                out.extend_from_slice(&logits);
-            }
-            for (cache, p) in self.caches.iter_mut().zip(pending) {
-                if let (Some(c), Some((k, v))) = (cache.as_mut(), p) {
-                    m.be.kv_append(c, &k, &v);
-                }
-            }
-        }
-        Ok(out)
-    }
+    pub state: SeqState<B>,
+    pub stats: StepStats,
 }
 
 /// How long a generation took, split into its two phases.
@@ -268,22 +451,40 @@ impl GenerationStats {
     }
 }
 
-impl<B: Backend + 'static> Session<'_, B> {
-    /// Feeds a prompt and returns its last token's logits, the ones the first
-    /// generated token is sampled from. When the model picks precision per step, the
-    /// last token runs as a step of its own so that those logits are accurate too.
-    /// On failure the caches may keep part of the prompt, as with [`Session::forward`].
+impl<B: Backend> Session<'_, B> {
+    /// Positions held so far.
+    pub fn len(&self) -> usize {
+        self.state.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.state.is_empty()
+    }
+
+    /// Bytes held by the KV caches.
+    pub fn kv_bytes(&self) -> usize {
+        self.state.kv_bytes(&self.model.be)
+    }
+
+    /// Forgets every position (the timings stay).
+    pub fn reset(&mut self) -> Result<()> {
+        self.state = self.model.new_state()?;
+        Ok(())
+    }
+
+    /// Runs `tokens` after what the session already holds and returns their logits,
+    /// `[rows, vocab]` flattened. If it fails, the state keeps the passes of
+    /// [`PREFILL_CHUNK`] tokens before the one that failed ([`Session::len`] says how
+    /// far it got); a prompt of one pass leaves it as it was.
+    pub fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        let mut chunk = [Chunk { state: &mut self.state, tokens, logits: which }];
+        self.model.step(&mut chunk, &mut self.stats).pop().expect("one result per chunk")
+    }
+
+    /// Feeds a prompt and returns its last token's logits ([`Model::prefill`]). On
+    /// failure the state may keep part of the prompt, as with [`Session::forward`].
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<Vec<f32>> {
-        match prompt.split_last() {
-            Some((last, rest)) if self.model.precision.is_none() && !rest.is_empty() => {
-                // Validate the whole prompt first, so that nothing is appended if
-                // the last token is the bad one.
-                self.check_next(prompt)?;
-                self.forward(rest, Logits::None)?;
-                self.forward(&[*last], Logits::Last)
-            }
-            _ => self.forward(prompt, Logits::Last),
-        }
+        self.model.prefill(&mut [&mut self.state], &[prompt], &mut self.stats).pop().expect("one result")
     }
 
     /// Feeds `prompt`, then samples up to `max_tokens` tokens, handing each to

@@ -9,7 +9,7 @@ use sluice_experts::{CacheBudget, Policy, Residency, StoreConfig};
 use sluice_formats::Checkpoint;
 
 fn logits(model: &Model, tokens: &[u32], decode: bool) -> Vec<f32> {
-    let mut s = model.session();
+    let mut s = model.session().unwrap();
     if !decode {
         return s.forward(tokens, Logits::All).unwrap();
     }

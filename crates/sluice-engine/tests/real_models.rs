@@ -86,14 +86,14 @@ fn check(name: &str, file: &str) {
     let r = reference(name);
     let mut model = Model::open(&path).unwrap();
     assert_eq!(model.spec.vocab_size, r.vocab);
-    let prefill = model.session().forward(&r.tokens, Logits::All).unwrap();
-    let mut s = model.session();
+    let prefill = model.session().unwrap().forward(&r.tokens, Logits::All).unwrap();
+    let mut s = model.session().unwrap();
     let mut decode = Vec::new();
     for &t in &r.tokens {
         decode.extend(s.forward(&[t], Logits::All).unwrap());
     }
     model.precision = Some(Precision::Accurate);
-    let accurate = model.session().forward(&r.tokens, Logits::All).unwrap();
+    let accurate = model.session().unwrap().forward(&r.tokens, Logits::All).unwrap();
     let mut kls = Vec::new();
     for (mode, logits) in [("prefill", &prefill), ("decode", &decode), ("accurate prefill", &accurate)] {
         let (kl, top1) = compare(logits, &r);

@@ -40,12 +40,12 @@ fn check(name: &str) {
     let model = Model::open(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
     assert_eq!(model.spec.vocab_size, r.vocab);
 
-    let mut s = model.session();
+    let mut s = model.session().unwrap();
     let prefill = s.forward(&r.tokens, Logits::All).unwrap();
     let e = rel_err(&prefill, &r.logits);
     assert!(e <= 1e-3, "{name} prefill: max|diff|/max|ref| = {e:e}");
 
-    let mut s = model.session();
+    let mut s = model.session().unwrap();
     let mut decode = Vec::new();
     for &t in &r.tokens {
         decode.extend(s.forward(&[t], Logits::All).unwrap());
@@ -55,7 +55,7 @@ fn check(name: &str) {
     eprintln!("{name}: prefill {e:.2e}, decode {e2:.2e}");
 
     // Each mode is bitwise repeatable.
-    let mut s = model.session();
+    let mut s = model.session().unwrap();
     assert_eq!(s.forward(&r.tokens, Logits::All).unwrap(), prefill, "{name}: prefill not repeatable");
 }
 

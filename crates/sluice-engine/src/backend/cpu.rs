@@ -1,0 +1,330 @@
+//! The CPU backend: activations in host memory, weights used where the checkpoint
+//! put them (the mapped files or sluice's copy), kernels from `sluice-cpu`.
+
+use sluice_core::{Activation, Glu, MatRef, Precision, Result, RopeSpec};
+use sluice_cpu::router::RouteParams;
+use sluice_cpu::{AttnParams, AttnSeq, KvCache};
+use sluice_experts::{ExpertLease, ExpertStore};
+use sluice_formats::TensorView;
+
+use super::{AttnOp, Backend, ExpertFfn, Norm, RouterOp};
+use crate::batch::{Batch, RowPrecision, SeqRows};
+
+/// A row-major `[rows, cols]` f32 matrix in host memory.
+#[derive(Clone, Debug)]
+pub struct HostAct {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl HostAct {
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        HostAct { rows, cols, data: vec![0.0; rows * cols] }
+    }
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.cols..(i + 1) * self.cols]
+    }
+    fn gather(&self, rows: impl Iterator<Item = usize>) -> HostAct {
+        let mut data = Vec::new();
+        rows.for_each(|r| data.extend_from_slice(self.row(r)));
+        HostAct { rows: data.len() / self.cols.max(1), cols: self.cols, data }
+    }
+}
+
+/// Each row's top-k experts and weights, in host memory.
+#[derive(Clone, Debug, Default)]
+pub struct HostRouting {
+    pub top_k: usize,
+    /// `[rows * top_k]` expert ids, each row's in router order.
+    pub ids: Vec<u32>,
+    /// `[rows * top_k]` combine weights.
+    pub weights: Vec<f32>,
+}
+
+/// The CPU backend.
+#[derive(Clone, Debug, Default)]
+pub struct Cpu {
+    precision: RowPrecision,
+}
+
+impl Cpu {
+    /// `outs[i] = x · ws[i]ᵀ`. Rows of different precision go in separate calls (a
+    /// row's result does not depend on the other rows of a call, so this is what
+    /// each row alone would give).
+    fn matmul_many_host(&self, ws: &[MatRef<'_>], x: &HostAct, precision: &RowPrecision) -> Vec<HostAct> {
+        let mut outs: Vec<HostAct> = ws.iter().map(|w| HostAct::zeros(x.rows, w.rows)).collect();
+        let quantized = ws.iter().any(|w| w.dtype.is_quantized());
+        match precision.uniform() {
+            Some(p) => Self::products(ws, x, &mut outs, p),
+            None if !quantized => Self::products(ws, x, &mut outs, Precision::Fast),
+            None => {
+                for p in [Precision::Accurate, Precision::Fast] {
+                    let rows: Vec<usize> = (0..x.rows).filter(|&r| precision.of(r) == p).collect();
+                    let part = x.gather(rows.iter().copied());
+                    let mut part_outs: Vec<HostAct> = ws.iter().map(|w| HostAct::zeros(rows.len(), w.rows)).collect();
+                    Self::products(ws, &part, &mut part_outs, p);
+                    for (out, po) in outs.iter_mut().zip(&part_outs) {
+                        for (i, &r) in rows.iter().enumerate() {
+                            out.data[r * out.cols..(r + 1) * out.cols].copy_from_slice(po.row(i));
+                        }
+                    }
+                }
+            }
+        }
+        outs
+    }
+
+    fn products(ws: &[MatRef<'_>], x: &HostAct, outs: &mut [HostAct], p: Precision) {
+        if x.rows == 0 {
+            return;
+        }
+        let mut bufs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.data.as_mut_slice()).collect();
+        sluice_cpu::matmul_many(ws, &x.data, x.rows, &mut bufs, p);
+    }
+
+    fn matmul_host(&self, w: MatRef<'_>, x: &HostAct, precision: &RowPrecision) -> HostAct {
+        self.matmul_many_host(&[w], x, precision).pop().expect("one output")
+    }
+}
+
+/// Adds `bias[e * width..]` to every row of `x`.
+fn add_expert_bias(x: &mut HostAct, bias: &[f32], e: usize) {
+    let b = &bias[e * x.cols..(e + 1) * x.cols];
+    x.data.chunks_mut(x.cols).for_each(|r| r.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+}
+
+impl Backend for Cpu {
+    type Act = HostAct;
+    type Mat = TensorView;
+    type Vector = Vec<f32>;
+    type Kv = KvCache;
+    type Routing = HostRouting;
+    type Experts<'s> = ExpertLease<'s>;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn with_precision(&self, precision: RowPrecision) -> Cpu {
+        Cpu { precision }
+    }
+
+    fn mat(&self, t: &TensorView) -> Result<TensorView> {
+        Ok(t.clone())
+    }
+
+    fn vector(&self, t: &TensorView) -> Result<Vec<f32>> {
+        t.to_f32_vec()
+    }
+
+    fn embed(&self, table: &TensorView, tokens: &[u32], scale: f32) -> Result<HostAct> {
+        let m = table.mat();
+        let mut out = HostAct::zeros(tokens.len(), m.cols);
+        for (i, &t) in tokens.iter().enumerate() {
+            let o = &mut out.data[i * m.cols..(i + 1) * m.cols];
+            sluice_cpu::row_to_f32(m.dtype, m.row(t as usize), o);
+            o.iter_mut().for_each(|v| *v *= scale);
+        }
+        Ok(out)
+    }
+
+    fn matmul(&self, x: &HostAct, w: &TensorView) -> Result<HostAct> {
+        Ok(self.matmul_host(w.mat(), x, &self.precision))
+    }
+
+    fn matmul_many(&self, x: &HostAct, ws: &[&TensorView]) -> Result<Vec<HostAct>> {
+        Ok(self.matmul_many_host(&ws.iter().map(|w| w.mat()).collect::<Vec<_>>(), x, &self.precision))
+    }
+
+    fn rms_norm(&self, x: &mut HostAct, n: &Norm<'_, Self>) -> Result<()> {
+        sluice_cpu::ops::rms_norm(&mut x.data, n.group, n.weight.map(|v| v.as_slice()), n.offset, n.eps);
+        Ok(())
+    }
+
+    fn add(&self, x: &mut HostAct, y: &HostAct) -> Result<()> {
+        debug_assert_eq!(x.data.len(), y.data.len());
+        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn mul(&self, x: &mut HostAct, y: &HostAct) -> Result<()> {
+        debug_assert_eq!(x.data.len(), y.data.len());
+        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a *= b);
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut HostAct, s: f32) -> Result<()> {
+        x.data.iter_mut().for_each(|a| *a *= s);
+        Ok(())
+    }
+
+    fn mul_row(&self, x: &mut HostAct, v: &Vec<f32>) -> Result<()> {
+        for r in x.data.chunks_mut(x.cols) {
+            r.iter_mut().zip(v).for_each(|(a, b)| *a *= b);
+        }
+        Ok(())
+    }
+
+    fn add_row(&self, x: &mut HostAct, v: &Vec<f32>) -> Result<()> {
+        for r in x.data.chunks_mut(x.cols) {
+            r.iter_mut().zip(v).for_each(|(a, b)| *a += b);
+        }
+        Ok(())
+    }
+
+    fn copy(&self, x: &HostAct) -> Result<HostAct> {
+        Ok(x.clone())
+    }
+
+    fn gather_rows(&self, x: &HostAct, rows: &[usize]) -> Result<HostAct> {
+        Ok(x.gather(rows.iter().copied()))
+    }
+
+    fn columns(&self, x: &HostAct, start: usize, len: usize) -> Result<HostAct> {
+        let mut out = HostAct::zeros(x.rows, len);
+        for i in 0..x.rows {
+            out.data[i * len..(i + 1) * len].copy_from_slice(&x.row(i)[start..start + len]);
+        }
+        Ok(out)
+    }
+
+    fn activate(&self, x: &mut HostAct, act: Activation) -> Result<()> {
+        sluice_cpu::ops::activate_slice(act, &mut x.data);
+        Ok(())
+    }
+
+    fn glu(&self, gate: &mut HostAct, up: &HostAct, glu: Glu) -> Result<()> {
+        sluice_cpu::ops::glu_any(glu, &mut gate.data, &up.data);
+        Ok(())
+    }
+
+    fn softcap(&self, x: &mut HostAct, cap: f32) -> Result<()> {
+        sluice_cpu::ops::softcap(&mut x.data, cap);
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut HostAct, head_dim: usize, batch: &Batch, rope: &RopeSpec) -> Result<()> {
+        sluice_cpu::ops::rope(&mut x.data, head_dim, &batch.positions, rope);
+        Ok(())
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> Result<HostAct> {
+        Ok(HostAct::zeros(rows, cols))
+    }
+
+    fn kv_new(&self, kv_dim: usize, window: Option<usize>) -> Result<KvCache> {
+        Ok(KvCache::new(kv_dim, window))
+    }
+
+    fn kv_bytes(&self, kv: &KvCache) -> usize {
+        kv.bytes()
+    }
+
+    fn kv_append(&self, kv: &mut KvCache, k: &HostAct, v: &HostAct, seq: SeqRows) -> Result<()> {
+        fn rows(a: &HostAct, seq: SeqRows) -> &[f32] {
+            &a.data[seq.first * a.cols..(seq.first + seq.rows) * a.cols]
+        }
+        kv.append(rows(k, seq), rows(v, seq));
+        Ok(())
+    }
+
+    fn attention(&self, op: &AttnOp<'_, Self>) -> Result<HostAct> {
+        let s = op.spec;
+        let p = AttnParams {
+            n_heads: s.n_heads,
+            n_kv_heads: s.n_kv_heads,
+            head_dim: s.head_dim,
+            scale: s.scale,
+            window: s.window,
+            softcap: None,
+        };
+        let seqs: Vec<AttnSeq<'_>> = op
+            .batch
+            .seqs
+            .iter()
+            .zip(op.caches)
+            .map(|(r, &cache)| AttnSeq { first: r.first, rows: r.rows, cache })
+            .collect();
+        let mut out = HostAct::zeros(op.q.rows, op.q.cols);
+        sluice_cpu::attention(&p, &op.q.data, &op.k.data, &op.v.data, &seqs, &mut out.data);
+        Ok(out)
+    }
+
+    fn route(&self, logits: &HostAct, r: &RouterOp<Self>) -> Result<HostRouting> {
+        let p = RouteParams {
+            kind: r.kind,
+            n_experts: r.n_experts,
+            top_k: r.top_k,
+            logit_bias: r.logit_bias.as_deref(),
+            choice_bias: r.choice_bias.as_deref(),
+            expert_scale: r.expert_scale.as_deref(),
+        };
+        let mut out = HostRouting { top_k: r.top_k, ..Default::default() };
+        sluice_cpu::router::route(&logits.data, &p, &mut out.ids, &mut out.weights);
+        Ok(out)
+    }
+
+    fn routing_ids(&self, r: &HostRouting) -> Result<Vec<u32>> {
+        Ok(r.ids.clone())
+    }
+
+    fn fetch_experts<'s>(&self, store: &'s ExpertStore, layer: usize, ids: &[usize]) -> Result<ExpertLease<'s>> {
+        store.fetch(layer, ids)
+    }
+
+    fn moe(
+        &self,
+        x: &HostAct,
+        routing: &HostRouting,
+        experts: &ExpertLease<'_>,
+        ffn: &ExpertFfn<Self>,
+    ) -> Result<HostAct> {
+        let k = routing.top_k;
+        let mut per_slot: Vec<Option<Vec<f32>>> = vec![None; routing.ids.len()];
+        for &e in experts.ids() {
+            // The (row, slot) pairs routed to this expert, gathered into one batch,
+            // each row at its own precision.
+            let slots: Vec<usize> = (0..routing.ids.len()).filter(|&s| routing.ids[s] as usize == e).collect();
+            if slots.is_empty() {
+                continue;
+            }
+            let xe = x.gather(slots.iter().map(|s| s / k));
+            let precision = self.precision.gather(slots.iter().map(|s| s / k));
+            let m = experts.get(e);
+            let [mut g, mut u]: [HostAct; 2] =
+                self.matmul_many_host(&[m.gate, m.up], &xe, &precision).try_into().expect("two outputs");
+            if let Some(b) = &ffn.bias {
+                add_expert_bias(&mut g, &b.gate, e);
+                add_expert_bias(&mut u, &b.up, e);
+            }
+            sluice_cpu::ops::glu_any(ffn.glu, &mut g.data, &u.data);
+            let mut d = self.matmul_host(m.down, &g, &precision);
+            if let Some(b) = &ffn.bias {
+                add_expert_bias(&mut d, &b.down, e);
+            }
+            for (r, &s) in slots.iter().enumerate() {
+                per_slot[s] = Some(d.row(r).to_vec());
+            }
+        }
+        // Sum each row's experts in router order, so the result does not depend on
+        // which experts other rows in the batch chose.
+        let mut out = HostAct::zeros(x.rows, x.cols);
+        let slots = per_slot.chunks(k.max(1)).zip(routing.weights.chunks(k.max(1)));
+        for (o, (ys, ws)) in out.data.chunks_mut(x.cols).zip(slots) {
+            for (y, &w) in ys.iter().zip(ws) {
+                let y = y.as_ref().expect("every routed expert was fetched");
+                o.iter_mut().zip(y).for_each(|(a, b)| *a += w * b);
+            }
+        }
+        Ok(out)
+    }
+
+    fn to_host(&self, x: &HostAct) -> Result<Vec<f32>> {
+        Ok(x.data.clone())
+    }
+
+    fn n_rows(&self, x: &HostAct) -> usize {
+        x.rows
+    }
+}

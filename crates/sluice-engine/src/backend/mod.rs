@@ -1,0 +1,147 @@
+//! The backend interface the families are written against.
+//!
+//! A family says what a layer computes in these operations and nothing else: no
+//! SIMD, no threads, no I/O. A backend owns where activations, weights, layer state
+//! and expert weights live (host memory for [`Cpu`]; device memory for a GPU backend)
+//! and how each operation runs. Every operation can fail (a device can run out of
+//! memory). Routing is an operation too, so a device backend decides it where the
+//! router logits are; only the chosen expert ids come back to the host, for the
+//! expert store. Experts reach the backend through [`Backend::fetch_experts`], which
+//! hands back the backend's own handles: the CPU backend computes on the host store's
+//! slots, a GPU backend would keep its own VRAM tier in front of them.
+
+mod cpu;
+
+pub use cpu::{Cpu, HostAct, HostRouting};
+
+use sluice_core::{Activation, AttentionSpec, Glu, Result, RopeSpec, RouterKind};
+use sluice_experts::ExpertStore;
+use sluice_formats::TensorView;
+
+use crate::batch::{Batch, RowPrecision, SeqRows};
+
+/// An RMS norm over each `group` elements of each row, times `weight + offset` if
+/// given.
+pub struct Norm<'a, B: Backend> {
+    pub group: usize,
+    pub weight: Option<&'a B::Vector>,
+    pub offset: f32,
+    pub eps: f32,
+}
+
+/// Causal attention of a batch: each sequence's rows of `q` over its cache (`caches`,
+/// one per sequence of `batch`) and its own new rows of `k` and `v`.
+pub struct AttnOp<'a, B: Backend> {
+    pub spec: &'a AttentionSpec,
+    pub q: &'a B::Act,
+    pub k: &'a B::Act,
+    pub v: &'a B::Act,
+    pub batch: &'a Batch,
+    pub caches: &'a [&'a B::Kv],
+}
+
+/// A router: how its logits become each row's experts and weights.
+pub struct RouterOp<B: Backend> {
+    pub kind: RouterKind,
+    pub n_experts: usize,
+    pub top_k: usize,
+    /// Added to the logits (a router's own bias).
+    pub logit_bias: Option<B::Vector>,
+    /// Added to the scores only to choose (DeepSeek-V3's correction bias).
+    pub choice_bias: Option<B::Vector>,
+    /// Multiplies each chosen expert's weight (Gemma 4).
+    pub expert_scale: Option<B::Vector>,
+}
+
+/// What one expert computes: `down(glu(gate(x) [+ b], up(x) [+ b])) [+ b]`.
+pub struct ExpertFfn<B: Backend> {
+    pub glu: Glu,
+    pub bias: Option<ExpertBias<B>>,
+}
+
+/// Per-expert biases (gpt-oss), each `[n_experts * width]`, expert-major.
+pub struct ExpertBias<B: Backend> {
+    pub gate: B::Vector,
+    pub up: B::Vector,
+    pub down: B::Vector,
+}
+
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// A `[rows, cols]` f32 activation.
+    type Act: Send + Sync;
+    /// A weight matrix `[out, in]` in its stored format.
+    type Mat: Send + Sync;
+    /// A small f32 parameter vector (norm weights, scales, biases).
+    type Vector: Send + Sync;
+    /// One layer's KV cache of one sequence.
+    type Kv: Send + Sync;
+    /// A layer's routing of a batch: each row's top-k experts and weights.
+    type Routing: Send + Sync;
+    /// One layer's experts for one step, as the backend computes on them.
+    type Experts<'s>
+    where
+        Self: 's;
+
+    fn name(&self) -> &'static str;
+    /// The same backend computing matrix products at each row's precision (each
+    /// step picks them, see [`crate::Model::precision`]).
+    fn with_precision(&self, p: RowPrecision) -> Self;
+
+    fn mat(&self, t: &TensorView) -> Result<Self::Mat>;
+    fn vector(&self, t: &TensorView) -> Result<Self::Vector>;
+
+    /// Rows `tokens` of an embedding table, times `scale`.
+    fn embed(&self, table: &Self::Mat, tokens: &[u32], scale: f32) -> Result<Self::Act>;
+    /// `x · Wᵀ`.
+    fn matmul(&self, x: &Self::Act, w: &Self::Mat) -> Result<Self::Act>;
+    /// `x · W_iᵀ` for each of `ws`, matrices that share the input (q, k and v; gate
+    /// and up): a backend may run them as one job.
+    fn matmul_many(&self, x: &Self::Act, ws: &[&Self::Mat]) -> Result<Vec<Self::Act>> {
+        ws.iter().map(|w| self.matmul(x, w)).collect()
+    }
+    fn rms_norm(&self, x: &mut Self::Act, norm: &Norm<'_, Self>) -> Result<()>;
+    fn add(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+    fn mul(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+    fn scale(&self, x: &mut Self::Act, s: f32) -> Result<()>;
+    /// Multiplies every row by `v` element-wise.
+    fn mul_row(&self, x: &mut Self::Act, v: &Self::Vector) -> Result<()>;
+    /// Adds `v` to every row (a bias).
+    fn add_row(&self, x: &mut Self::Act, v: &Self::Vector) -> Result<()>;
+    fn copy(&self, x: &Self::Act) -> Result<Self::Act>;
+    /// Rows `rows` of `x`, in that order.
+    fn gather_rows(&self, x: &Self::Act, rows: &[usize]) -> Result<Self::Act>;
+    /// Columns `start..start + len` of every row.
+    fn columns(&self, x: &Self::Act, start: usize, len: usize) -> Result<Self::Act>;
+    fn activate(&self, x: &mut Self::Act, act: Activation) -> Result<()>;
+    /// `gate = glu(gate, up)`.
+    fn glu(&self, gate: &mut Self::Act, up: &Self::Act, glu: Glu) -> Result<()>;
+    fn softcap(&self, x: &mut Self::Act, cap: f32) -> Result<()>;
+    /// RoPE on whole heads; row `i` is at `batch.positions[i]`.
+    fn rope(&self, x: &mut Self::Act, head_dim: usize, batch: &Batch, rope: &RopeSpec) -> Result<()>;
+    fn zeros(&self, rows: usize, cols: usize) -> Result<Self::Act>;
+
+    fn kv_new(&self, kv_dim: usize, window: Option<usize>) -> Result<Self::Kv>;
+    fn kv_bytes(&self, kv: &Self::Kv) -> usize;
+    /// Appends one sequence's rows `seq` of `k` and `v` to its cache.
+    fn kv_append(&self, kv: &mut Self::Kv, k: &Self::Act, v: &Self::Act, seq: SeqRows) -> Result<()>;
+    fn attention(&self, op: &AttnOp<'_, Self>) -> Result<Self::Act>;
+
+    /// Routes every row of `logits` (`[rows, n_experts]`).
+    fn route(&self, logits: &Self::Act, router: &RouterOp<Self>) -> Result<Self::Routing>;
+    /// The chosen expert ids, `[rows * top_k]`, on the host (for the expert store).
+    fn routing_ids(&self, r: &Self::Routing) -> Result<Vec<u32>>;
+    /// Makes experts `ids` of `layer` available to [`Backend::moe`]: from the store's
+    /// tiers, or from the backend's own.
+    fn fetch_experts<'s>(&self, store: &'s ExpertStore, layer: usize, ids: &[usize]) -> Result<Self::Experts<'s>>;
+    /// The routed experts: `sum_k weight[r, k] * expert_k(x[r])` for every row.
+    fn moe(
+        &self,
+        x: &Self::Act,
+        routing: &Self::Routing,
+        experts: &Self::Experts<'_>,
+        ffn: &ExpertFfn<Self>,
+    ) -> Result<Self::Act>;
+
+    fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>>;
+    fn n_rows(&self, x: &Self::Act) -> usize;
+}

@@ -1,0 +1,99 @@
+//! Gemma 3 text: pre- and post-norms around attention and the MLP.
+//!
+//!   x = embed(tokens) * sqrt(hidden)
+//!   x += post_attn_norm(attn(attn_norm(x)))
+//!   x += post_ffn_norm(mlp(ffn_norm(x)))
+//!
+//! Norms multiply by 1 + w (`norm_weight_offset`); attention has q/k norms, scales by
+//! query_pre_attn_scalar^-0.5, and alternates sliding-window and full layers; all of
+//! that comes from the spec.
+
+use sluice_core::{ModelSpec, Result};
+use sluice_formats::{Checkpoint, TensorId, TensorKind};
+
+use super::{Network, attention_state};
+use crate::backend::Backend;
+use crate::blocks::{Attention, Cx, Mlp, load_mat, load_output, load_vector};
+use crate::moe::Moe;
+use crate::state::StateSpec;
+
+struct Layer<B: Backend> {
+    attn_norm: B::Vector,
+    attn: Attention<B>,
+    attn_post_norm: B::Vector,
+    ffn_norm: B::Vector,
+    mlp: Mlp<B>,
+    ffn_post_norm: B::Vector,
+}
+
+impl<B: Backend> Layer<B> {
+    fn load(be: &B, ckpt: &Checkpoint, i: usize) -> Result<Self> {
+        let norm = |k| load_vector(be, ckpt, TensorId::layer(i, k), ckpt.spec.hidden_size);
+        let inter = ckpt.spec.layers[i].mlp.expect("every Gemma 3 layer has an MLP");
+        Ok(Layer {
+            attn_norm: norm(TensorKind::AttnNorm)?,
+            attn: Attention::load(be, ckpt, i)?,
+            attn_post_norm: norm(TensorKind::AttnPostNorm)?,
+            ffn_norm: norm(TensorKind::FfnNorm)?,
+            mlp: Mlp::load(be, ckpt, i, inter)?,
+            ffn_post_norm: norm(TensorKind::FfnPostNorm)?,
+        })
+    }
+
+    fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, h: usize) -> Result<()> {
+        let a = cx.normed(x, &self.attn_norm, h)?;
+        let mut a = self.attn.forward(cx, &a)?;
+        cx.norm(&mut a, &self.attn_post_norm, h)?;
+        cx.be.add(x, &a)?;
+        let f = cx.normed(x, &self.ffn_norm, h)?;
+        let mut f = self.mlp.forward(cx, &f)?;
+        cx.norm(&mut f, &self.ffn_post_norm, h)?;
+        cx.be.add(x, &f)
+    }
+}
+
+pub struct Gemma3<B: Backend> {
+    spec: ModelSpec,
+    embed: B::Mat,
+    output: B::Mat,
+    final_norm: B::Vector,
+    layers: Vec<Layer<B>>,
+}
+
+impl<B: Backend> Gemma3<B> {
+    pub fn load(be: &B, ckpt: &Checkpoint) -> Result<Self> {
+        let spec = ckpt.spec.clone();
+        let h = spec.hidden_size;
+        Ok(Gemma3 {
+            embed: load_mat(be, ckpt, TensorId::model(TensorKind::TokenEmbd), spec.vocab_size, h)?,
+            output: load_output(be, ckpt)?,
+            final_norm: load_vector(be, ckpt, TensorId::model(TensorKind::OutputNorm), h)?,
+            layers: (0..spec.n_layers()).map(|i| Layer::load(be, ckpt, i)).collect::<Result<_>>()?,
+            spec,
+        })
+    }
+}
+
+impl<B: Backend> Network<B> for Gemma3<B> {
+    fn state(&self) -> Vec<StateSpec> {
+        attention_state(&self.spec)
+    }
+
+    fn forward(&self, cx: &mut Cx<'_, B>, tokens: &[u32]) -> Result<B::Act> {
+        let h = self.spec.hidden_size;
+        let mut x = cx.embed(&self.embed, tokens, self.spec.embed_scale)?;
+        for l in &self.layers {
+            l.forward(cx, &mut x, h)?;
+        }
+        cx.norm(&mut x, &self.final_norm, h)?;
+        Ok(x)
+    }
+
+    fn lm_head(&self) -> &B::Mat {
+        &self.output
+    }
+
+    fn moe(&self, _layer: usize) -> Option<&Moe<B>> {
+        None
+    }
+}

@@ -1,0 +1,120 @@
+//! The routed experts of a layer, one block for every family: the router (its input,
+//! its kind, its biases and scales), the expert store's fetch for the union of the
+//! batch's choices, and the grouped expert products.
+
+use sluice_core::{Glu, Result, RouterKind};
+use sluice_formats::{Checkpoint, TensorId, TensorKind};
+
+use crate::backend::{Backend, ExpertFfn, RouterOp};
+use crate::blocks::{Cx, load_mat};
+
+/// What a router reads: a transform of the residual stream.
+pub enum RouterInput<B: Backend> {
+    /// The residual RMS-normed with this weight (the layer's FFN norm: Llama, Qwen).
+    Norm(B::Vector),
+    /// Gemma 4: the residual RMS-normed without a weight, times a learned `scale`,
+    /// times `factor` (hidden^-0.5).
+    ScaledNorm { scale: B::Vector, factor: f32 },
+}
+
+/// A layer's routed experts.
+pub struct Moe<B: Backend> {
+    layer: usize,
+    hidden: usize,
+    router: B::Mat,
+    input: RouterInput<B>,
+    op: RouterOp<B>,
+    ffn: ExpertFfn<B>,
+}
+
+impl<B: Backend> Moe<B> {
+    /// Loads layer `layer`'s router; the experts stay with the expert store.
+    pub fn load(be: &B, ckpt: &Checkpoint, layer: usize, input: RouterInput<B>) -> Result<Self> {
+        let spec = &ckpt.spec;
+        let m = spec.layers[layer].moe.as_ref().expect("a MoE layer");
+        let id = |k| TensorId::layer(layer, k);
+        let vector = |k| -> Result<Option<B::Vector>> {
+            ckpt.optional(id(k), &[m.n_experts])?.map(|t| be.vector(&t)).transpose()
+        };
+        let expert_scale = match m.router {
+            RouterKind::Gemma4 => Some(be.vector(&ckpt.tensor(id(TensorKind::RouterExpertScale), &[m.n_experts])?)?),
+            _ => None,
+        };
+        Ok(Moe {
+            layer,
+            hidden: spec.hidden_size,
+            router: load_mat(be, ckpt, id(TensorKind::Router), m.n_experts, spec.hidden_size)?,
+            input,
+            op: RouterOp {
+                kind: m.router,
+                n_experts: m.n_experts,
+                top_k: m.top_k,
+                logit_bias: vector(TensorKind::RouterBias)?,
+                choice_bias: None,
+                expert_scale,
+            },
+            ffn: ExpertFfn { glu: Glu::Gated(spec.activation), bias: None },
+        })
+    }
+
+    /// Routes every row of the residual `x`.
+    pub fn route(&self, cx: &mut Cx<'_, B>, x: &B::Act) -> Result<B::Routing> {
+        let be = cx.be;
+        let mut r = be.copy(x)?;
+        match &self.input {
+            RouterInput::Norm(w) => cx.norm(&mut r, w, self.hidden)?,
+            RouterInput::ScaledNorm { scale, factor } => {
+                cx.norm_plain(&mut r, self.hidden)?;
+                be.mul_row(&mut r, scale)?;
+                be.scale(&mut r, *factor)?;
+            }
+        }
+        cx.timers.time(|t| &mut t.router, || be.route(&be.matmul(&r, &self.router)?, &self.op))
+    }
+
+    /// The experts' weighted sum for every row: the router reads the residual `x`,
+    /// the experts take `h`. The experts are fetched once for the union of the
+    /// batch's choices.
+    pub fn forward(&self, cx: &mut Cx<'_, B>, x: &B::Act, h: &B::Act) -> Result<B::Act> {
+        cx.probe_next(self.layer, x)?;
+        let routing = self.route(cx, x)?;
+        let ids = cx.be.routing_ids(&routing)?;
+        let experts = unique(&ids);
+        cx.observe(self.layer, &experts);
+        let (be, store, layer) = (cx.be, cx.store, self.layer);
+        let fetched = cx.timers.time(|t| &mut t.expert_wait, || be.fetch_experts(store, layer, &experts));
+        let fetched = match fetched {
+            Ok(f) => f,
+            Err(e) => {
+                cx.affected = Some(self.affected_by_failure(cx, &ids));
+                return Err(e);
+            }
+        };
+        cx.timers.time(|t| &mut t.expert_compute, || be.moe(h, &routing, &fetched, &self.ffn))
+    }
+
+    /// After a fetch failed: the sequences whose own experts cannot be fetched (each
+    /// tried alone, so a read that fails again names who needs it). Empty if every
+    /// one succeeds on its own (the failure was passing); the step is then retried.
+    fn affected_by_failure(&self, cx: &Cx<'_, B>, ids: &[u32]) -> Vec<usize> {
+        let k = self.op.top_k;
+        cx.batch
+            .seqs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| {
+                let own = unique(&ids[s.first * k..(s.first + s.rows) * k]);
+                cx.be.fetch_experts(cx.store, self.layer, &own).is_err()
+            })
+            .map(|(i, _)| i)
+            .collect()
+    }
+}
+
+/// The distinct experts in `ids`, ascending.
+pub fn unique(ids: &[u32]) -> Vec<usize> {
+    let mut u: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+    u.sort_unstable();
+    u.dedup();
+    u
+}

@@ -1,0 +1,101 @@
+//! What a sequence keeps between steps, layer by layer, as its family declares it.
+//!
+//! The session does not assume a KV cache per layer: a family lists a [`StateSpec`]
+//! for each of its layers (a KV cache, a ring of the last `window` positions, a
+//! reference to an earlier layer's cache, a fixed-size recurrent state, a latent
+//! cache), and [`SeqState`] holds one [`LayerState`] of that kind per layer.
+
+use sluice_core::{Error, Result};
+
+use crate::backend::Backend;
+
+/// One layer's state, as the family declares it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StateSpec {
+    /// Keys and values of every position (`window: None`) or of the last `window`
+    /// positions (a ring, for sliding-window layers).
+    Kv { kv_dim: usize, window: Option<usize> },
+    /// Nothing of its own: the layer attends over the cache of layer `source` (KV sharing).
+    SharedKv { source: usize },
+    /// A fixed-size state rewritten every token (a linear-attention recurrence and its
+    /// convolution's tail), `rows x cols` floats, zero at the start.
+    Recurrent { rows: usize, cols: usize },
+    /// One compressed vector of `width` per position (MLA's latent and RoPE key).
+    Latent { width: usize },
+    /// Nothing kept.
+    Stateless,
+}
+
+/// One layer's state of one sequence.
+pub enum LayerState<B: Backend> {
+    Kv(B::Kv),
+    SharedKv(usize),
+    Recurrent(B::Act),
+    /// Held in a KV cache whose keys are the latent vectors.
+    Latent(B::Kv),
+    Stateless,
+}
+
+/// Everything one sequence holds: its layers' state and how many positions it has seen.
+pub struct SeqState<B: Backend> {
+    layers: Vec<LayerState<B>>,
+    len: usize,
+}
+
+impl<B: Backend> SeqState<B> {
+    pub fn new(be: &B, specs: &[StateSpec]) -> Result<SeqState<B>> {
+        let layers = specs
+            .iter()
+            .map(|s| {
+                Ok(match *s {
+                    StateSpec::Kv { kv_dim, window } => LayerState::Kv(be.kv_new(kv_dim, window)?),
+                    StateSpec::SharedKv { source } => LayerState::SharedKv(source),
+                    StateSpec::Recurrent { rows, cols } => LayerState::Recurrent(be.zeros(rows, cols)?),
+                    StateSpec::Latent { width } => LayerState::Latent(be.kv_new(width, None)?),
+                    StateSpec::Stateless => LayerState::Stateless,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SeqState { layers, len: 0 })
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes held by the KV and latent caches.
+    pub fn kv_bytes(&self, be: &B) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Kv(c) | LayerState::Latent(c) => be.kv_bytes(c),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// The KV cache layer `layer` attends over (its own, or the one it shares).
+    pub fn kv(&self, layer: usize) -> Result<&B::Kv> {
+        match &self.layers[layer] {
+            LayerState::Kv(c) => Ok(c),
+            LayerState::SharedKv(src) => self.kv(*src),
+            _ => Err(Error::Unsupported(format!("layer {layer} keeps no KV cache"))),
+        }
+    }
+
+    pub(crate) fn kv_mut(&mut self, layer: usize) -> Option<&mut B::Kv> {
+        match &mut self.layers[layer] {
+            LayerState::Kv(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+}
