@@ -8,6 +8,7 @@ use std::time::Instant;
 use clap::Args;
 use serde_json::json;
 use sluice_core::{Error, Precision, Result};
+use sluice_engine::plan::{self, Placement, Request, WeightsPlace};
 use sluice_engine::stats::{PhaseMs, peak_rss_bytes, storage_read_bytes};
 use sluice_engine::{Chunk, Cpu, LoadOptions, Logits, Model, PilotStats, Prefetch, Sampler, SamplerConfig, StepStats};
 use sluice_experts::{CacheBudget, ExpertLayout, Policy, Residency, RoutingHistogram, StoreConfig, human_bytes};
@@ -111,6 +112,22 @@ pub struct BenchArgs {
 }
 
 #[derive(Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// A routing histogram saved by --record-routing: the predicted expert-cache hit
+    /// rates follow its experts' popularity (uniform routing otherwise)
+    #[arg(long, value_name = "FILE")]
+    routing: Option<PathBuf>,
+    /// Only decide where the parts live; do not measure this machine or predict speed
+    #[arg(long)]
+    no_measure: bool,
+    /// Print one JSON object instead of text
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
 pub struct InspectArgs {
     /// Model: a .gguf file or a Hugging Face folder
     #[arg(long, short = 'm', value_name = "PATH")]
@@ -142,7 +159,8 @@ struct Loaded {
 fn load_model(e: &EngineArgs) -> Result<Loaded> {
     let t = Instant::now();
     let mut ckpt = Checkpoint::open(&e.model)?;
-    let (opts, copy) = load_options(e, &ckpt)?;
+    let (opts, placement) = load_options(e, &ckpt)?;
+    let copy = placement.weights == WeightsPlace::Memory;
     let bar = |what: &'static str| {
         std::io::stderr().is_terminal().then(|| {
             let b = indicatif::ProgressBar::new(0);
@@ -207,54 +225,36 @@ fn parse_cache(s: &str) -> Result<CacheBudget> {
     Ok(CacheBudget::Bytes((value * mult) as u64))
 }
 
-/// Turns the residency flags into a store configuration, deciding `auto` from the
-/// model's size, the memory available and `--expert-cache`, and decides whether the
-/// weights are copied into memory (`--weights`).
-fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<(LoadOptions, bool)> {
+/// The placement the flags ask for, with `auto` left to the planner.
+fn request(e: &EngineArgs) -> Result<Request> {
+    Ok(Request {
+        residency: match e.residency {
+            ResidencyArg::Auto => None,
+            ResidencyArg::Resident => Some(Residency::Resident),
+            ResidencyArg::Mapped => Some(Residency::Mapped),
+            ResidencyArg::Streamed => Some(Residency::Streamed),
+        },
+        expert_cache: e.expert_cache.as_deref().map(parse_cache).transpose()?,
+        weights: match e.weights {
+            WeightsArg::Auto => None,
+            WeightsArg::Memory => Some(WeightsPlace::Memory),
+            WeightsArg::Mapped => Some(WeightsPlace::Mapped),
+        },
+        available: sluice_engine::memory::available(),
+    })
+}
+
+/// Turns the flags into load options, the planner deciding what they leave to `auto`
+/// (expert residency and cache size from the model's size and the memory available;
+/// whether the weights are copied into memory).
+fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<(LoadOptions, Placement)> {
     let layout = ExpertLayout::from_checkpoint(ckpt)?;
-    let experts = layout.expert_bytes_total();
-    let total: u64 = ckpt.tensors().iter().map(|t| t.len_bytes() as u64).sum();
-    let resident = total - experts;
-    let budget = e.expert_cache.as_deref().map(parse_cache).transpose()?;
-    let avail = crate::memory::available();
-    // Leave room for the resident weights, the KV cache and the OS.
-    let default_budget = || {
-        let room = avail.map_or(0, |a| (a as f64 * 0.8) as u64).saturating_sub(resident + (1 << 30));
-        CacheBudget::Bytes(room.max(layout.min_budget_bytes()))
-    };
-    let residency = match e.residency {
-        _ if experts == 0 => {
-            if budget.is_some() {
-                return Err(Error::Usage("--expert-cache: this model has no routed experts".into()));
-            }
-            Residency::Mapped
-        }
-        ResidencyArg::Resident | ResidencyArg::Mapped if budget.is_some() => {
-            return Err(Error::Usage("--expert-cache goes with --residency streamed or auto".into()));
-        }
-        ResidencyArg::Resident => Residency::Resident,
-        ResidencyArg::Mapped => Residency::Mapped,
-        ResidencyArg::Streamed => Residency::Streamed,
-        ResidencyArg::Auto => {
-            let fits = avail.is_some_and(|a| (total as f64) < a as f64 * 0.8);
-            let r = if budget.is_none() && fits { Residency::Mapped } else { Residency::Streamed };
-            let cache = match (r, budget.unwrap_or_else(default_budget)) {
-                (Residency::Streamed, b) => format!(", expert cache {}", human_bytes(layout.cache_bytes(b)?)),
-                _ => String::new(),
-            };
-            // Only worth a line when the model does not simply sit in the page cache.
-            if r == Residency::Streamed {
-                eprintln!(
-                    "residency auto: {}{cache} (model {}, experts {}, memory available {})",
-                    r.name(),
-                    human_bytes(total),
-                    human_bytes(experts),
-                    avail.map_or("unknown".into(), human_bytes)
-                );
-            }
-            r
-        }
-    };
+    let placement = plan::place(ckpt, &layout, &request(e)?)?;
+    // Only worth a line when the model does not simply sit in the page cache.
+    if let Some(note) = &placement.note {
+        eprintln!("residency auto: streamed, expert cache {} ({note})", human_bytes(placement.cache_bytes));
+    }
+    let residency = placement.residency;
     let pin = e.pin_hot.as_deref().map(RoutingHistogram::load).transpose()?;
     if pin.is_some() && residency != Residency::Streamed {
         return Err(Error::Usage("--pin-hot goes with streamed residency".into()));
@@ -264,7 +264,7 @@ fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<(LoadOptions, bool)
     }
     let store = StoreConfig {
         residency,
-        budget: (residency == Residency::Streamed).then(|| budget.unwrap_or_else(default_budget)),
+        budget: placement.budget,
         policy: match e.cache_policy {
             PolicyArg::Lru => Policy::Lru,
             PolicyArg::Lfu => Policy::Lfu,
@@ -278,18 +278,15 @@ fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<(LoadOptions, bool)
         PrefetchArg::Off => Prefetch::Off,
         PrefetchArg::Pilot => Prefetch::Pilot,
     };
-    let precision = match e.precision {
+    Ok((LoadOptions { store, prefetch, precision: precision(e) }, placement))
+}
+
+fn precision(e: &EngineArgs) -> Option<Precision> {
+    match e.precision {
         PrecisionArg::Auto => None,
         PrecisionArg::Fast => Some(Precision::Fast),
         PrecisionArg::Accurate => Some(Precision::Accurate),
-    };
-    let copy = match e.weights {
-        WeightsArg::Memory => true,
-        WeightsArg::Mapped => false,
-        // The expert store's budget already leaves room for the resident weights.
-        WeightsArg::Auto => avail.is_some_and(|a| (resident as f64) < a as f64 * 0.8),
-    };
-    Ok((LoadOptions { store, prefetch, precision }, copy))
+    }
 }
 
 /// Saves the routing histogram if `--record-routing` asked for it.
@@ -882,6 +879,134 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
     if a.tensors {
         for t in &tensors {
             println!("  {:<60} {:<5} {:?}", t.name, t.dtype.to_string(), t.shape);
+        }
+    }
+    Ok(())
+}
+
+pub fn plan(a: PlanArgs) -> Result<()> {
+    if a.engine.record_routing.is_some() {
+        return Err(Error::Usage("plan runs nothing to record: give a recorded histogram with --routing FILE".into()));
+    }
+    let threads = init_threads(a.engine.threads)?;
+    let ckpt = Checkpoint::open(&a.engine.model)?;
+    let layout = ExpertLayout::from_checkpoint(&ckpt)?;
+    let (opts, at) = load_options(&a.engine, &ckpt)?;
+    let hist = a.routing.as_deref().map(RoutingHistogram::load).transpose()?;
+    let profile = plan::Profile::of(&ckpt, &layout);
+    if let Some(h) = &hist {
+        let ours: Vec<usize> = layout.layers.iter().map(|l| l.as_ref().map_or(0, |l| l.experts.len())).collect();
+        if h.layers.iter().map(Vec::len).collect::<Vec<_>>() != ours {
+            return Err(Error::Usage(format!(
+                "--routing {}: the histogram does not fit this model's experts",
+                a.routing.as_deref().map(Path::display).map(|d| d.to_string()).unwrap_or_default()
+            )));
+        }
+    }
+    let reads_disk = at.residency == Residency::Streamed
+        || (at.residency == Residency::Mapped
+            && at.available_bytes.is_some_and(|m| at.total_bytes as f64 > m as f64 * 0.8));
+    let measured = if a.no_measure {
+        None
+    } else {
+        let precisions = plan::Precisions::of(opts.precision);
+        let machine =
+            plan::Machine::measure(&profile, precisions, (reads_disk && at.expert_bytes > 0).then_some(&layout))?;
+        let prediction = plan::predict(&profile, &at, &machine, hist.as_ref());
+        Some((machine, prediction))
+    };
+    let spec = &ckpt.spec;
+    let residency = at.residency.name();
+    if a.json {
+        let j = json!({
+            "model": a.engine.model,
+            "arch": spec.arch,
+            "threads": threads,
+            "total_bytes": at.total_bytes,
+            "resident_bytes": at.resident_bytes,
+            "expert_bytes": at.expert_bytes,
+            "available_bytes": at.available_bytes,
+            "weights": at.weights,
+            "residency": residency,
+            "cache_bytes": at.cache_bytes,
+            "slots_per_layer": at.slots_per_layer,
+            "experts_per_layer": at.experts_per_layer,
+            "profile": profile,
+            "machine": measured.as_ref().map(|m| &m.0),
+            "prediction": measured.as_ref().map(|m| &m.1),
+        });
+        println!("{j}");
+        return Ok(());
+    }
+    let gib = |b: u64| human_bytes(b);
+    println!(
+        "model      {}: {}, {} layers, {}",
+        a.engine.model.display(),
+        spec.arch,
+        spec.n_layers(),
+        gib(at.total_bytes)
+    );
+    println!(
+        "memory     {} available (the least of MemAvailable and the memory cgroup's room)",
+        at.available_bytes.map_or("unknown".into(), gib)
+    );
+    println!(
+        "weights    {} {}",
+        gib(at.resident_bytes),
+        match at.weights {
+            WeightsPlace::Memory => "in sluice's memory (read at load, on huge pages)",
+            WeightsPlace::Mapped => "mapped from the file (the page cache holds them)",
+        }
+    );
+    if at.expert_bytes > 0 {
+        let how = match at.residency {
+            Residency::Resident => "resident: read into memory at load".to_string(),
+            Residency::Mapped => "mapped: the page cache decides what stays".to_string(),
+            Residency::Streamed => format!(
+                "streamed from disk through a {} cache ({} of {} slots per layer, {})",
+                gib(at.cache_bytes),
+                at.slots_per_layer,
+                at.experts_per_layer,
+                opts.store.policy.name()
+            ),
+        };
+        println!("experts    {} in {} layers: {how}", gib(at.expert_bytes), profile.moe_layers.len());
+    }
+    if let Some((m, p)) = &measured {
+        println!(
+            "machine    {} threads; memory reads {:.1} GB/s; the model's {} product shapes timed on random weights",
+            m.threads,
+            m.memory_read_bytes_per_s / 1e9,
+            m.products.len()
+        );
+        if let Some(d) = m.disk_bytes_per_s {
+            println!("           disk {:.2} GB/s (O_DIRECT, this model's experts)", d / 1e9);
+        }
+        let ms = |s: f64| s * 1e3;
+        let mut decode = format!(
+            "decode  {:>8.2} tok/s  ({:.1} ms of products on weights in memory",
+            p.decode_tok_s,
+            ms(p.decode_memory_s)
+        );
+        if let Some(h) = p.decode_hit_rate {
+            decode += &format!(
+                ", {:.1} ms reading {:.1} MB of experts from disk; hit rate {:.0}%",
+                ms(p.decode_disk_s),
+                p.decode_disk_bytes_per_token / 1e6,
+                100.0 * h
+            );
+        }
+        println!("predicted  {decode} per token)");
+        let mut prefill =
+            format!("prefill {:>8.1} tok/s  ({:.2} ms of arithmetic", p.prefill_tok_s, ms(p.prefill_compute_s));
+        if p.prefill_disk_s > 0.0 {
+            prefill += &format!(" and {:.2} ms of expert reads, overlapped", ms(p.prefill_disk_s));
+        }
+        println!("           {prefill} per token)");
+        if hist.is_none() && p.decode_hit_rate.is_some() {
+            println!(
+                "           (hit rates assume uniform routing; --routing FILE from --record-routing for real ones)"
+            );
         }
     }
     Ok(())

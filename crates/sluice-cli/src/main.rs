@@ -1,7 +1,6 @@
 //! `sluice`: run Mixture-of-Experts language models larger than memory.
 
 mod commands;
-mod memory;
 mod stop;
 mod synth_pack;
 
@@ -35,6 +34,9 @@ enum Command {
     Bench(commands::BenchArgs),
     /// Describe a model: architecture, tensors, quant types, resident and expert bytes
     Inspect(commands::InspectArgs),
+    /// Where each part of a model would live (memory, mapped, streamed, cache size) and
+    /// the decode and prefill speed predicted from this machine's measured rates
+    Plan(commands::PlanArgs),
     /// Write a synthetic MoE checkpoint with a real model's geometry (random weights)
     Synth(synth_pack::SynthArgs),
     /// Write a model's experts in the packed layout: each expert one contiguous, aligned read
@@ -150,6 +152,7 @@ fn main() -> ExitCode {
         Command::Tokenize(a) => commands::tokenize(a),
         Command::Bench(a) => commands::bench(a),
         Command::Inspect(a) => commands::inspect(a),
+        Command::Plan(a) => commands::plan(a),
         Command::Synth(a) => synth_pack::synth(a),
         Command::Pack(a) => synth_pack::pack(a),
     };

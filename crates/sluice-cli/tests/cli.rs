@@ -327,3 +327,90 @@ fn bad_flags() {
     let o = sluice(&["run", "--model", m, "--max-tokens", "many"]);
     assert!(!o.status.success() && !String::from_utf8_lossy(&o.stderr).contains("panicked"));
 }
+
+/// Several `--tokens` run as one batch: the rows of each sequence follow each other
+/// in order, bitwise what each gives alone, in both modes.
+#[test]
+fn logits_of_several_sequences_are_each_alone() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-batch");
+    let _ = std::fs::create_dir_all(&dir);
+    let seqs = ["2,334,232,389,431,281,420", "2,89", "7", "2,290,90,99,402,323"];
+    for name in ["gemma4-moe", "qwen3-moe"] {
+        let m = fixture(name);
+        for mode in ["prefill", "decode"] {
+            let run = |tokens: &[&str], tag: &str| {
+                let out = dir.join(format!("{name}-{mode}-{tag}.f32"));
+                let mut args =
+                    vec!["logits", "--model", m.to_str().unwrap(), "--mode", mode, "--out", out.to_str().unwrap()];
+                for t in tokens {
+                    args.extend(["--tokens", t]);
+                }
+                let o = sluice(&args);
+                assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+                read_f32(&out)
+            };
+            let alone: Vec<f32> = seqs.iter().enumerate().flat_map(|(i, s)| run(&[s], &i.to_string())).collect();
+            assert!(run(&seqs, "all") == alone, "{name} {mode}: batched rows differ from each sequence alone");
+        }
+    }
+    // One bad sequence is named by its place.
+    let m = fixture("llama");
+    let o = sluice(&[
+        "logits",
+        "--model",
+        m.to_str().unwrap(),
+        "--tokens",
+        "1,2",
+        "--tokens",
+        "1,512",
+        "--out",
+        "/tmp/never",
+    ]);
+    assert_one_error(&o, "--tokens #2");
+}
+
+#[test]
+fn bench_parallel_reports_the_aggregate() {
+    let m = fixture("qwen3-moe");
+    let o = sluice(&[
+        "bench",
+        "--model",
+        m.to_str().unwrap(),
+        "--parallel",
+        "3",
+        "--prompt-tokens",
+        "5",
+        "--gen-tokens",
+        "4",
+        "--repeat",
+        "1",
+        "--json",
+        "--no-roofline",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(j["parallel"], 3);
+    let (all, one) = (j["decode_tok_s"].as_f64().unwrap(), j["decode_tok_s_per_sequence"].as_f64().unwrap());
+    assert!((all - 3.0 * one).abs() <= 1e-6 * all, "{all} vs 3 x {one}");
+    let o = sluice(&["bench", "--model", m.to_str().unwrap(), "--parallel", "0"]);
+    assert_one_error(&o, "--parallel");
+}
+
+#[test]
+fn plan_places_and_predicts() {
+    let m = fixture("qwen3-moe");
+    let m = m.to_str().unwrap();
+    let o = sluice(&["plan", "--model", m, "--expert-cache", "4", "--threads", "1"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("streamed from disk through a") && text.contains("4 of 8 slots per layer"), "{text}");
+    assert!(text.contains("predicted  decode") && text.contains("hit rate 50%"), "{text}");
+    let o = sluice(&["plan", "--model", m, "--residency", "resident", "--json", "--no-measure"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(j["residency"], "resident");
+    assert_eq!(j["cache_bytes"], j["expert_bytes"]);
+    assert!(j["prediction"].is_null());
+    assert_one_error(&sluice(&["plan", "--model", m, "--record-routing", "/tmp/x.json"]), "--routing");
+    assert_one_error(&sluice(&["plan", "--model", m, "--routing", "/nonexistent/routing.json"]), "routing.json");
+}

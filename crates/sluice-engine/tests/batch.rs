@@ -237,9 +237,13 @@ fn model_shared_across_threads() {
         budget: Some(CacheBudget::SlotsPerLayer(3)),
         ..Default::default()
     };
-    let model =
-        Model::load_with(Cpu::default(), &ckpt, &LoadOptions { store, prefetch: Prefetch::Pilot, precision: None }, None)
-            .unwrap();
+    let model = Model::load_with(
+        Cpu::default(),
+        &ckpt,
+        &LoadOptions { store, prefetch: Prefetch::Pilot, precision: None },
+        None,
+    )
+    .unwrap();
     let seqs = sequences(&fixture_tokens(&dir));
     let sched = one_by_one(&seqs);
     let want = alone(&model, &seqs, &sched);
