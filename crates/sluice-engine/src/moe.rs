@@ -2,6 +2,8 @@
 //! its kind, its biases and scales), the expert store's fetch for the union of the
 //! batch's choices, and the grouped expert products.
 
+use std::time::Instant;
+
 use sluice_core::{Glu, Result, RouterKind};
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
@@ -82,20 +84,24 @@ impl<B: Backend> Moe<B> {
         let experts = unique(&ids);
         cx.observe(self.layer, &experts);
         let (be, store, layer) = (cx.be, cx.store, self.layer);
-        let fetched = cx.timers.time(|t| &mut t.expert_wait, || be.fetch_experts(store, layer, &experts));
-        let fetched = match fetched {
-            Ok(f) => f,
-            Err(e) => {
-                cx.affected = Some(self.affected_by_failure(cx, &ids));
-                return Err(e);
-            }
-        };
-        cx.timers.time(|t| &mut t.expert_compute, || be.moe(h, &routing, &fetched, &self.ffn))
+        let t = Instant::now();
+        let out = be.fetch_experts(store, layer, &experts).and_then(|f| {
+            let fetched = t.elapsed();
+            let out = be.moe(h, &routing, &f, &self.ffn);
+            // The products ran as the experts arrived: what they waited for is
+            // expert wait, the rest computation.
+            let waited = be.experts_waited(&f);
+            cx.timers.expert_wait += fetched + waited;
+            cx.timers.expert_compute += t.elapsed().saturating_sub(fetched + waited);
+            out
+        });
+        out.inspect_err(|_| cx.affected = Some(self.affected_by_failure(cx, &ids)))
     }
 
-    /// After a fetch failed: the sequences whose own experts cannot be fetched (each
-    /// tried alone, so a read that fails again names who needs it). Empty if every
-    /// one succeeds on its own (the failure was passing); the step is then retried.
+    /// After the experts failed: the sequences whose own experts cannot be fetched
+    /// (each tried alone, so a read that fails again names who needs it). Empty if
+    /// every one succeeds on its own (the failure was passing); the step is then
+    /// retried.
     fn affected_by_failure(&self, cx: &Cx<'_, B>, ids: &[u32]) -> Vec<usize> {
         let k = self.op.top_k;
         cx.batch
@@ -104,7 +110,7 @@ impl<B: Backend> Moe<B> {
             .enumerate()
             .filter(|(_, s)| {
                 let own = unique(&ids[s.first * k..(s.first + s.rows) * k]);
-                cx.be.fetch_experts(cx.store, self.layer, &own).is_err()
+                cx.be.fetch_experts(cx.store, self.layer, &own).and_then(|f| cx.be.experts_ready(&f)).is_err()
             })
             .map(|(i, _)| i)
             .collect()

@@ -18,6 +18,7 @@ mod io;
 mod layout;
 mod pool;
 mod stats;
+mod stream;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -116,6 +117,13 @@ impl Default for StoreConfig {
     }
 }
 
+/// A streamed fetch's layer and how it hands out its experts.
+struct Want<'a> {
+    layer: usize,
+    le: &'a LayerExperts,
+    mode: FetchMode,
+}
+
 enum Src<'a> {
     Mapped(&'a ExpertMats),
     /// A slot or a resident copy that the store owns.
@@ -132,45 +140,146 @@ enum Src<'a> {
 }
 
 /// The experts a step asked for. They cannot be evicted or overwritten while the
-/// lease lives.
+/// lease holds them.
+///
+/// A fetch with [`FetchMode::Wait`] returns with every expert in memory, and the
+/// lease holds them all until it drops ([`ExpertLease::get`]). One with
+/// [`FetchMode::Stream`] returns as soon as its reads are queued: the caller takes
+/// the experts one by one ([`ExpertLease::take`], in [`ExpertLease::order`]),
+/// computing on each as its read ends while the next ones are read, and each
+/// streamed slot goes back to the cache when its [`Taken`] drops, for a miss still
+/// waiting for one. A layer whose misses outnumber its slots is then read through
+/// its own cache, in the cache's memory.
 pub struct ExpertLease<'a> {
     ids: Vec<usize>,
-    srcs: Vec<Src<'a>>,
-    /// Slots this lease pins in a streamed layer.
-    pinned: Option<(&'a LayerCache, Vec<usize>)>,
+    inner: Inner<'a>,
 }
 
-impl ExpertLease<'_> {
-    /// The matrices of expert `id`, which must be one of the ids fetched.
-    pub fn get(&self, id: usize) -> ExpertRef<'_> {
-        let i = self.ids.iter().position(|&x| x == id).expect("expert was not fetched");
+enum Inner<'a> {
+    Ready {
+        srcs: Vec<Src<'a>>,
+        /// Slots this lease pins in a streamed layer.
+        pinned: Option<(&'a LayerCache, Vec<usize>)>,
+    },
+    Stream(stream::Stream<'a>),
+}
+
+/// How a fetch hands out its experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FetchMode {
+    /// Every expert in memory when the fetch returns.
+    Wait,
+    /// The fetch returns once its reads are queued; the experts are taken as they arrive.
+    Stream,
+}
+
+/// One expert taken from a lease; a streamed slot is given back when it drops.
+pub struct Taken<'l> {
+    src: Src<'l>,
+    release: Option<(&'l stream::Stream<'l>, usize)>,
+}
+
+impl Taken<'_> {
+    pub fn mats(&self) -> ExpertRef<'_> {
+        self.src.mats()
+    }
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        if let Some((s, i)) = self.release {
+            s.release(i);
+        }
+    }
+}
+
+impl Src<'_> {
+    fn mats(&self) -> ExpertRef<'_> {
         fn from<'b>(buf: &'b AlignedBuf, base: usize, m: &[MatLayout; 3]) -> ExpertRef<'b> {
             let end = m.iter().map(|l| l.slot_off + l.len).max().unwrap_or(0);
-            // SAFETY: nothing writes these bytes while the lease that `buf` is
-            // borrowed through lives. A slot is `Ready` and pinned by the lease (the
-            // slot protocol in `cache.rs` writes only `Loading` slots and never picks
-            // a pinned one to load); a resident copy is written only at open; an
-            // owned buffer's load completed before the lease was made and it has no
-            // other user.
+            // SAFETY: nothing writes these bytes while they are handed out. A slot is
+            // `Ready` and pinned by the lease (the slot protocol in `cache.rs` writes
+            // only `Loading` slots and never picks a pinned one to load); a resident
+            // copy is written only at open; an owned buffer's load completed before it
+            // was handed out and it has no other user.
             let bytes = unsafe { buf.slice(base, end) };
             ExpertRef { gate: m[0].mat(bytes), up: m[1].mat(bytes), down: m[2].mat(bytes) }
         }
-        match &self.srcs[i] {
+        match self {
             Src::Mapped(e) => ExpertRef { gate: e.gate.mat(), up: e.up.mat(), down: e.down.mat() },
             Src::Buf { buf, base, mats } => from(buf, *base, mats),
             Src::Owned { buf, mats } => from(buf, 0, mats),
         }
+    }
+}
+
+impl ExpertLease<'_> {
+    /// The matrices of expert `id`, which must be one of the ids fetched, of a lease
+    /// fetched with [`FetchMode::Wait`].
+    pub fn get(&self, id: usize) -> ExpertRef<'_> {
+        let i = self.index(id);
+        match &self.inner {
+            Inner::Ready { srcs, .. } => srcs[i].mats(),
+            Inner::Stream(_) => panic!("a streamed lease hands its experts out with take"),
+        }
+    }
+
+    fn index(&self, id: usize) -> usize {
+        self.ids.iter().position(|&x| x == id).expect("expert was not fetched")
     }
 
     /// The ids this lease holds, in the order asked (duplicates dropped).
     pub fn ids(&self) -> &[usize] {
         &self.ids
     }
+
+    /// The ids in the order to take them: those in memory first, then in the order
+    /// their reads were started.
+    pub fn order(&self) -> Vec<usize> {
+        match &self.inner {
+            Inner::Ready { .. } => self.ids.clone(),
+            Inner::Stream(s) => s.order().into_iter().map(|i| self.ids[i]).collect(),
+        }
+    }
+
+    /// Expert `id` once its bytes are in memory (blocking on its read). A read that
+    /// fails gives an error naming the file, the layer and the expert. Each expert
+    /// of a streamed lease is taken at most once.
+    pub fn take(&self, id: usize) -> Result<Taken<'_>> {
+        let i = self.index(id);
+        match &self.inner {
+            Inner::Ready { srcs, .. } => Ok(Taken { src: srcs[i].reborrow(), release: None }),
+            Inner::Stream(s) => Ok(Taken { src: s.take(i)?, release: Some((s, i)) }),
+        }
+    }
+
+    /// Takes every expert in turn: whether all of them can be read.
+    pub fn wait_all(&self) -> Result<()> {
+        self.order().into_iter().try_for_each(|id| self.take(id).map(drop))
+    }
+
+    /// Time spent blocked in [`take`](Self::take) so far.
+    pub fn waited(&self) -> std::time::Duration {
+        match &self.inner {
+            Inner::Ready { .. } => std::time::Duration::ZERO,
+            Inner::Stream(s) => s.waited(),
+        }
+    }
+}
+
+impl<'a> Src<'a> {
+    fn reborrow(&self) -> Src<'_> {
+        match self {
+            Src::Mapped(e) => Src::Mapped(e),
+            Src::Buf { buf, base, mats } => Src::Buf { buf, base: *base, mats },
+            Src::Owned { buf, mats } => Src::Owned { buf: buf.clone(), mats },
+        }
+    }
 }
 
 impl Drop for ExpertLease<'_> {
     fn drop(&mut self) {
-        if let Some((cache, slots)) = &self.pinned {
+        if let Inner::Ready { pinned: Some((cache, slots)), .. } = &self.inner {
             cache.unpin(slots);
         }
     }
@@ -499,6 +608,12 @@ impl ExpertStore {
     /// valid (cannot be evicted) while the lease lives. A read that fails gives an
     /// error naming the file, the layer and the expert; the store stays usable.
     pub fn fetch(&self, layer: usize, ids: &[usize]) -> Result<ExpertLease<'_>> {
+        self.fetch_with(layer, ids, FetchMode::Wait)
+    }
+
+    /// [`fetch`](Self::fetch), or with [`FetchMode::Stream`] a lease whose experts are
+    /// taken as their reads end (see [`ExpertLease`]).
+    pub fn fetch_with(&self, layer: usize, ids: &[usize], mode: FetchMode) -> Result<ExpertLease<'_>> {
         let (le, ids) = self.admit(layer, ids)?;
         let srcs = match &self.kind {
             Kind::Mapped => ids.iter().map(|&x| Src::Mapped(&le.experts[x])).collect(),
@@ -506,21 +621,19 @@ impl ExpertStore {
                 let buf = bufs[layer].as_deref().expect("a resident layer");
                 ids.iter().map(|&x| Src::Buf { buf, base: x * le.slot_bytes, mats: &le.plans[x].mats }).collect()
             }
-            Kind::Streamed(s) => return self.fetch_streamed(s, layer, le, ids),
+            Kind::Streamed(s) => return self.fetch_streamed(s, Want { layer, le, mode }, ids),
         };
-        Ok(ExpertLease { ids, srcs, pinned: None })
+        Ok(ExpertLease { ids, inner: Inner::Ready { srcs, pinned: None } })
     }
 
-    fn fetch_streamed<'a>(
-        &'a self,
-        s: &'a Streamed,
-        layer: usize,
-        le: &'a LayerExperts,
-        ids: Vec<usize>,
-    ) -> Result<ExpertLease<'a>> {
+    fn fetch_streamed<'a>(&'a self, s: &'a Streamed, want: Want<'a>, ids: Vec<usize>) -> Result<ExpertLease<'a>> {
+        let Want { layer, le, mode } = want;
         let cache = s.caches[layer].as_deref().expect("a streamed layer");
         let counts = &self.hist[layer];
         let mut srcs: Vec<Option<Src<'a>>> = (0..ids.len()).map(|_| None).collect();
+        // Streaming: per id, its slot and the read to wait for, or queued for a slot.
+        let mut items: Vec<stream::Item> = (0..ids.len()).map(|_| stream::Item::Queued).collect();
+        let mut started = Vec::new();
         let mut pinned = Vec::with_capacity(ids.len());
         let mut waits = Vec::new();
         let mut promote = Vec::new();
@@ -539,28 +652,29 @@ impl ExpertStore {
                 slot.last_use = now;
                 let was_spec = std::mem::take(&mut slot.speculative);
                 let read_bytes = slot.read_bytes as u64;
-                match &slot.state {
+                let load = match &slot.state {
                     SlotState::Loading(load) => {
                         waits.push(load.clone());
                         if load.speculative.swap(false, Ordering::Relaxed) {
                             promote.push(load.clone());
                         }
+                        Some(load.clone())
                     }
-                    SlotState::Ready => {}
+                    SlotState::Ready => None,
                     SlotState::Free => unreachable!("a free slot is in no expert's index"),
-                }
-                let joined_read = matches!(slot.state, SlotState::Loading(_));
+                };
                 if was_spec {
                     st.c.prefetch_hits += 1;
                     st.c.prefetch_used += 1;
                     st.c.prefetch_used_bytes += read_bytes;
-                } else if joined_read {
+                } else if load.is_some() {
                     st.c.joined += 1;
                 } else {
                     st.c.hits += 1;
                 }
                 pinned.push(si);
                 srcs[i] = Some(Src::Buf { buf: &cache.bufs[si], base: 0, mats: &le.plans[x].mats });
+                items[i] = stream::Item::Slot { slot: si, load };
             }
             for (i, &x) in ids.iter().enumerate() {
                 if srcs[i].is_some() {
@@ -575,10 +689,14 @@ impl ExpertStore {
                         let (load, j) = s.reader.start(req, plan, &cache.bufs[si], 0);
                         st.assign(si, x, load.clone(), 1, false);
                         jobs.extend(j);
-                        waits.push(load);
+                        waits.push(load.clone());
                         pinned.push(si);
                         srcs[i] = Some(Src::Buf { buf: &cache.bufs[si], base: 0, mats: &plan.mats });
+                        items[i] = stream::Item::Slot { slot: si, load: Some(load) };
+                        started.push(i);
                     }
+                    // Streaming, a miss with no slot waits for one this lease gives back.
+                    None if mode == FetchMode::Stream => {}
                     None => {
                         st.c.overflow += 1;
                         let buf = Arc::new(AlignedBuf::new(le.slot_bytes));
@@ -593,10 +711,16 @@ impl ExpertStore {
         }
         s.reader.pool.submit(jobs, true);
         promote.iter().for_each(|l| s.reader.pool.promote(l));
+        if mode == FetchMode::Stream {
+            let stream = stream::Stream::new(stream::Parts { store: self, s, cache, le, layer }, &ids, items, started);
+            return Ok(ExpertLease { ids, inner: Inner::Stream(stream) });
+        }
         let lease = ExpertLease {
             ids,
-            srcs: srcs.into_iter().map(|s| s.expect("every id served")).collect(),
-            pinned: Some((cache, pinned)),
+            inner: Inner::Ready {
+                srcs: srcs.into_iter().map(|s| s.expect("every id served")).collect(),
+                pinned: Some((cache, pinned)),
+            },
         };
         if !waits.is_empty() {
             let t = Instant::now();

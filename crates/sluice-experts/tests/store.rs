@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use common::{ARRANGEMENTS, Arrangement, Geometry, Model, Rng, SMALL, TempDir, within};
 use sluice_core::{DType, Error};
-use sluice_experts::{CacheBudget, ExpertStore, Policy, Residency, RoutingHistogram, StoreConfig};
+use sluice_experts::{CacheBudget, ExpertStore, FetchMode, Policy, Residency, RoutingHistogram, StoreConfig};
 use sluice_formats::Checkpoint;
 
 fn streamed(slots: usize) -> StoreConfig {
@@ -326,6 +326,16 @@ fn concurrent_fetch_and_prefetch_stay_consistent() {
                                 store.prefetch(pl, &rng.ids(16, k));
                             }
                             let k = 1 + rng.below(4);
+                            if rng.below(3) == 0 {
+                                // A streamed fetch, as large as a prompt chunk's.
+                                let n = 4 + rng.below(12);
+                                let ids = rng.ids(16, n);
+                                let lease = store.fetch_with(l, &ids, FetchMode::Stream).unwrap();
+                                for x in lease.order() {
+                                    m.check_one(lease.take(x).unwrap().mats(), l, x);
+                                }
+                                continue;
+                            }
                             let ids = rng.ids(16, k);
                             let lease = store.fetch(l, &ids).unwrap();
                             m.check(&lease, l, &ids);
@@ -566,4 +576,73 @@ fn fixtures_serve_identical_bytes_in_every_residency() {
         }
         assert_eq!(bar, mapped.expert_bytes_total(), "{name}: resident progress ends at the total");
     }
+}
+
+/// A streamed fetch of more experts than the layer has slots: taken in order, every
+/// expert is the file's bytes, the misses are read through the layer's own slots
+/// (no buffer of the lease's own), and each is read once.
+#[test]
+fn a_streamed_fetch_reads_a_whole_layer_through_its_slots() {
+    within(60, || {
+        let m = Model::build("stream", Arrangement::Packed, SMALL, &[true, true], 41);
+        for slots in [SMALL.top_k, 3, SMALL.n_experts] {
+            let store = open(&m, &streamed(slots));
+            drop(store.fetch(1, &[6, 2]).unwrap());
+            let ids: Vec<usize> = vec![5, 2, 7, 0, 6, 1, 3, 4];
+            let lease = store.fetch_with(1, &ids, FetchMode::Stream).unwrap();
+            let order = lease.order();
+            // Those in memory come first.
+            assert!(order[..2].iter().all(|x| [2, 6].contains(x)) || slots < 3, "{order:?}");
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..8).collect::<Vec<_>>());
+            for &x in &order {
+                let t = lease.take(x).unwrap();
+                m.check_one(t.mats(), 1, x);
+            }
+            drop(lease);
+            let s = store.stats();
+            assert_eq!((s.overflow_reads, s.read_errors), (0, 0), "slots {slots}: {s:?}");
+            assert_eq!(s.layers[1].misses, 2 + 8 - 2.min(slots) as u64, "slots {slots}");
+            assert_eq!(store.cached(1).len(), slots);
+            // Every slot is free again: a blocking fetch of a full cache works.
+            let again: Vec<usize> = (0..slots).collect();
+            m.check(&store.fetch(1, &again).unwrap(), 1, &again);
+        }
+    });
+}
+
+/// A queued expert taken while another lease holds every slot is read into a buffer
+/// of its own, so taking never waits on a slot; errors name the expert and leave the
+/// store usable.
+#[test]
+fn a_streamed_take_never_waits_on_a_slot_and_reports_read_errors() {
+    within(60, || {
+        let m = Model::build("stream-busy", Arrangement::Packed, SMALL, &[true], 43);
+        let store = open(&m, &streamed(SMALL.top_k));
+        let holder = store.fetch(0, &[0, 1]).unwrap();
+        let lease = store.fetch_with(0, &[4, 5, 6], FetchMode::Stream).unwrap();
+        for x in lease.order() {
+            m.check_one(lease.take(x).unwrap().mats(), 0, x);
+        }
+        drop(lease);
+        assert_eq!(store.stats().overflow_reads, 3);
+        drop(holder);
+
+        let cut = m.expert(0, 7).up.offset() as u64 + 10;
+        truncate(&m.path, cut);
+        let lease = store.fetch_with(0, &[3, 7, 2], FetchMode::Stream).unwrap();
+        let mut errors = Vec::new();
+        for x in lease.order() {
+            match lease.take(x) {
+                Ok(t) => m.check_one(t.mats(), 0, x),
+                Err(e) => errors.push((x, e.to_string())),
+            }
+        }
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].0 == 7 && errors[0].1.contains("layer 0 expert 7"), "{errors:?}");
+        drop(lease);
+        assert!(store.fetch_with(0, &[7], FetchMode::Stream).unwrap().wait_all().is_err());
+        m.check(&store.fetch(0, &[2, 3]).unwrap(), 0, &[2, 3]);
+    });
 }

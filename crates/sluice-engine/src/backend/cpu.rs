@@ -4,7 +4,7 @@
 use sluice_core::{Activation, Glu, MatRef, Precision, Result, RopeSpec};
 use sluice_cpu::router::RouteParams;
 use sluice_cpu::{AttnParams, AttnSeq, KvCache};
-use sluice_experts::{ExpertLease, ExpertStore};
+use sluice_experts::{ExpertLease, ExpertStore, FetchMode};
 use sluice_formats::TensorView;
 
 use super::{AttnOp, Backend, ExpertFfn, Norm, RouterOp};
@@ -270,7 +270,15 @@ impl Backend for Cpu {
     }
 
     fn fetch_experts<'s>(&self, store: &'s ExpertStore, layer: usize, ids: &[usize]) -> Result<ExpertLease<'s>> {
-        store.fetch(layer, ids)
+        store.fetch_with(layer, ids, FetchMode::Stream)
+    }
+
+    fn experts_ready(&self, experts: &ExpertLease<'_>) -> Result<()> {
+        experts.wait_all()
+    }
+
+    fn experts_waited(&self, experts: &ExpertLease<'_>) -> std::time::Duration {
+        experts.waited()
     }
 
     fn moe(
@@ -282,16 +290,18 @@ impl Backend for Cpu {
     ) -> Result<HostAct> {
         let k = routing.top_k;
         let mut per_slot: Vec<Option<Vec<f32>>> = vec![None; routing.ids.len()];
-        for &e in experts.ids() {
+        // Each expert as its bytes arrive (the store reads the others meanwhile).
+        for e in experts.order() {
             // The (row, slot) pairs routed to this expert, gathered into one batch,
             // each row at its own precision.
             let slots: Vec<usize> = (0..routing.ids.len()).filter(|&s| routing.ids[s] as usize == e).collect();
+            let taken = experts.take(e)?;
             if slots.is_empty() {
                 continue;
             }
             let xe = x.gather(slots.iter().map(|s| s / k));
             let precision = self.precision.gather(slots.iter().map(|s| s / k));
-            let m = experts.get(e);
+            let m = taken.mats();
             let [mut g, mut u]: [HostAct; 2] =
                 self.matmul_many_host(&[m.gate, m.up], &xe, &precision).try_into().expect("two outputs");
             if let Some(b) = &ffn.bias {

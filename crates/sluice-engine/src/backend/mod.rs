@@ -131,8 +131,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// The chosen expert ids, `[rows * top_k]`, on the host (for the expert store).
     fn routing_ids(&self, r: &Self::Routing) -> Result<Vec<u32>>;
     /// Makes experts `ids` of `layer` available to [`Backend::moe`]: from the store's
-    /// tiers, or from the backend's own.
+    /// tiers, or from the backend's own. Reads may still be under way when it returns
+    /// ([`Backend::moe`] computes each expert as it arrives).
     fn fetch_experts<'s>(&self, store: &'s ExpertStore, layer: usize, ids: &[usize]) -> Result<Self::Experts<'s>>;
+    /// Blocks until every one of `experts` is available, or one cannot be.
+    fn experts_ready(&self, experts: &Self::Experts<'_>) -> Result<()>;
+    /// How long [`Backend::moe`] waited for `experts` to arrive.
+    fn experts_waited(&self, experts: &Self::Experts<'_>) -> std::time::Duration;
     /// The routed experts: `sum_k weight[r, k] * expert_k(x[r])` for every row.
     fn moe(
         &self,

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use sluice_core::DType;
-use sluice_experts::{ExpertLayout, ExpertLease};
+use sluice_experts::{ExpertLayout, ExpertLease, ExpertRef};
 use sluice_formats::{ExpertMats, MappedFile, TensorView};
 
 /// A small deterministic generator (xorshift64*).
@@ -200,8 +200,14 @@ impl Model {
     /// Checks that a lease serves the file's bytes and shapes for each id.
     pub fn check(&self, lease: &ExpertLease<'_>, layer: usize, ids: &[usize]) {
         for &x in ids {
+            self.check_one(lease.get(x), layer, x);
+        }
+    }
+
+    /// Checks one expert's matrices against the file.
+    pub fn check_one(&self, r: ExpertRef<'_>, layer: usize, x: usize) {
+        {
             let e = self.expert(layer, x);
-            let r = lease.get(x);
             for (m, t, what) in [(r.gate, &e.gate, "gate"), (r.up, &e.up, "up"), (r.down, &e.down, "down")] {
                 let want = t.mat();
                 assert_eq!(
