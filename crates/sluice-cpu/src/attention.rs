@@ -108,52 +108,85 @@ pub struct AttnSeq<'a> {
 /// Causal attention for a batch of sequences, each over its own cache and its own
 /// new rows. `q` is `[n, n_heads * head_dim]`, `k_new` and `v_new` `[n, kv_dim]`,
 /// the sequences' rows one after another as `seqs` says; writes `out`, shaped like
-/// `q`. Each (row, head) is computed whole by one thread in a fixed order, so a
-/// sequence's result does not depend on the others in the batch.
+/// `q`. One task computes one row's query heads that share a KV head (each key and
+/// value read once for the group), whole and in a fixed order, so a sequence's result
+/// does not depend on the others in the batch or the thread count.
 pub fn attention(p: &AttnParams, q: &[f32], k_new: &[f32], v_new: &[f32], seqs: &[AttnSeq<'_>], out: &mut [f32]) {
     let hd = p.head_dim;
-    let kv_dim = p.n_kv_heads * hd;
     let q_dim = p.n_heads * hd;
     let n = q.len() / q_dim;
-    let group = p.n_heads / p.n_kv_heads;
     let mut row_seq = Vec::with_capacity(n);
     for (si, s) in seqs.iter().enumerate() {
         assert_eq!(s.first, row_seq.len(), "attention: sequences must cover the rows in order");
         row_seq.extend(std::iter::repeat_n(si as u32, s.rows));
     }
     assert_eq!(row_seq.len(), n, "attention: the sequences cover {} rows of {n}", row_seq.len());
-    let work = |(idx, o): (usize, &mut [f32])| {
-        let (row, h) = (idx / p.n_heads, idx % p.n_heads);
-        let s = &seqs[row_seq[row] as usize];
+    let job = Job { p, q, k_new, v_new, seqs, row_seq: &row_seq };
+    let group = p.n_heads / p.n_kv_heads;
+    let total: usize = seqs.iter().map(|s| s.rows * p.n_heads * (s.cache.len() + s.rows) * hd).sum();
+    let task = |(idx, o): (usize, &mut [f32])| job.run(idx / p.n_kv_heads, idx % p.n_kv_heads, o);
+    if total >= 1 << 14 {
+        out.par_chunks_mut(group * hd).enumerate().for_each(task);
+    } else {
+        out.chunks_mut(group * hd).enumerate().for_each(task);
+    }
+}
+
+/// What every task of one attention call reads.
+struct Job<'a> {
+    p: &'a AttnParams,
+    q: &'a [f32],
+    k_new: &'a [f32],
+    v_new: &'a [f32],
+    seqs: &'a [AttnSeq<'a>],
+    row_seq: &'a [u32],
+}
+
+impl Job<'_> {
+    /// Row `row`'s query heads of KV head `kvh` into `out` (`group * head_dim`).
+    fn run(&self, row: usize, kvh: usize, out: &mut [f32]) {
+        let p = self.p;
+        let hd = p.head_dim;
+        let (kv_dim, q_dim) = (p.n_kv_heads * hd, p.n_heads * hd);
+        let group = p.n_heads / p.n_kv_heads;
+        let s = &self.seqs[self.row_seq[row] as usize];
         let (cache, start) = (s.cache, s.cache.len());
         let pos = start + row - s.first;
         let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         assert!(lo >= cache.first(), "attention: position {lo} is no longer in the cache");
-        let kh = (h / group) * hd;
-        let qh = &q[row * q_dim + h * hd..row * q_dim + (h + 1) * hd];
+        let kh = kvh * hd;
         // Position j of this sequence: in its cache, or one of its new rows.
         let new_row = |j: usize| (s.first + j - start) * kv_dim + kh;
         let key = |j: usize| -> &[f32] {
-            if j < start { &cache.key(j)[kh..kh + hd] } else { &k_new[new_row(j)..new_row(j) + hd] }
+            if j < start { &cache.key(j)[kh..kh + hd] } else { &self.k_new[new_row(j)..new_row(j) + hd] }
         };
         let value = |j: usize| -> &[f32] {
-            if j < start { &cache.value(j)[kh..kh + hd] } else { &v_new[new_row(j)..new_row(j) + hd] }
+            if j < start { &cache.value(j)[kh..kh + hd] } else { &self.v_new[new_row(j)..new_row(j) + hd] }
         };
-        let mut sc: Vec<f32> = (lo..=pos).map(|j| dot_f32(qh, key(j)) * p.scale).collect();
-        if let Some(cap) = p.softcap {
-            sc.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
+        let qs = &self.q[row * q_dim + kvh * group * hd..row * q_dim + (kvh + 1) * group * hd];
+        let len = pos + 1 - lo;
+        // Scores of every head of the group, head-major; each key is read once for all.
+        let mut sc = vec![0f32; group * len];
+        for (t, j) in (lo..=pos).enumerate() {
+            let k = key(j);
+            for g in 0..group {
+                sc[g * len + t] = dot_f32(&qs[g * hd..(g + 1) * hd], k) * p.scale;
+            }
         }
-        softmax(&mut sc);
-        o.fill(0.0);
-        for (j, &w) in (lo..=pos).zip(&sc) {
-            o.iter_mut().zip(value(j)).for_each(|(a, &b)| *a += w * b);
+        for w in sc.chunks_mut(len) {
+            if let Some(cap) = p.softcap {
+                w.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
+            }
+            softmax(w);
         }
-    };
-    let total: usize = seqs.iter().map(|s| s.rows * p.n_heads * (s.cache.len() + s.rows) * hd).sum();
-    if total >= 1 << 14 {
-        out.par_chunks_mut(hd).enumerate().for_each(work);
-    } else {
-        out.chunks_mut(hd).enumerate().for_each(work);
+        out.fill(0.0);
+        for (t, j) in (lo..=pos).enumerate() {
+            let v = value(j);
+            for g in 0..group {
+                let w = sc[g * len + t];
+                out[g * hd..(g + 1) * hd].iter_mut().zip(v).for_each(|(a, &b)| *a += w * b);
+            }
+        }
     }
 }
 

@@ -44,11 +44,6 @@ pub struct LoadOptions {
     pub precision: Option<Precision>,
 }
 
-/// Passes whose sequences each feed at most this many tokens (decode) probe the next
-/// layer's router; a prompt chunk touches most experts anyway, so probing it would
-/// only read ahead what it is about to read.
-const PILOT_MAX_TOKENS: usize = 4;
-
 pub struct Model<B: Backend = Cpu> {
     pub spec: ModelSpec,
     pub be: B,
@@ -313,8 +308,7 @@ impl<B: Backend> Model<B> {
             parts.iter().map(|p| (chunks[p.chunk].state.len(), p.len, self.precision_of(&chunks[p.chunk]))).collect();
         let batch = Batch::new(&shape);
         let be = self.be.with_precision(batch.precision.clone());
-        let piloting =
-            self.prefetch == Prefetch::Pilot && parts.iter().all(|p| chunks[p.chunk].tokens.len() <= PILOT_MAX_TOKENS);
+        let piloting = self.prefetch == Prefetch::Pilot;
         let mut pilot_stats = PilotStats::default();
         let (x, pending) = {
             let states: Vec<&SeqState<B>> = parts.iter().map(|p| &*chunks[p.chunk].state).collect();

@@ -1,7 +1,9 @@
 //! Next-layer router probes (`--prefetch pilot`): as a MoE layer starts, the next
 //! MoE layer's router is applied to the same residual, and the experts it picks are
-//! read ahead while this layer computes. The probes are the engine's, not the
-//! families': any layer built on [`crate::moe::Moe`] gets them.
+//! read ahead while this layer computes, the ones most rows picked first (a prompt
+//! chunk picks more experts than a layer's cache has slots: the read-ahead fills the
+//! slots it finds, and the rest stream as that layer computes). The probes are the
+//! engine's, not the families': any layer built on [`crate::moe::Moe`] gets them.
 
 use sluice_core::Result;
 
@@ -56,7 +58,10 @@ impl<B: Backend> Cx<'_, B> {
         let Some(net) = self.pilot.as_ref().map(|p| p.net) else { return Ok(()) };
         let Some(next) = net.moe(layer + 1) else { return Ok(()) };
         let routing = next.route(self, x)?;
-        let ids = unique(&self.be.routing_ids(&routing)?);
+        let picks = self.be.routing_ids(&routing)?;
+        let mut ids = unique(&picks);
+        let count = |e: usize| picks.iter().filter(|&&p| p as usize == e).count();
+        ids.sort_by_cached_key(|&e| std::cmp::Reverse(count(e)));
         self.store.prefetch(layer + 1, &ids);
         if let Some(p) = self.pilot.as_mut() {
             p.stats.probes += 1;
