@@ -102,8 +102,13 @@ impl CacheState {
         }
     }
 
-    /// Empties a victim and gives it to `expert`, loading.
-    pub fn assign(&mut self, slot: usize, expert: usize, load: Arc<Load>, pins: u32, speculative: bool) {
+    /// Empties a victim and gives it to `expert`, loading, for `claim`.
+    pub fn assign(&mut self, slot: usize, expert: usize, load: Arc<Load>, claim: Claim) {
+        let (pins, speculative) = match claim {
+            Claim::Fetch => (1, false),
+            Claim::Prefetch => (0, true),
+            Claim::Preload => (0, false),
+        };
         let CacheState { slots, slot_of, c, clock } = self;
         let s = &mut slots[slot];
         debug_assert!(s.pins == 0 && !s.hot && !matches!(s.state, SlotState::Loading(_)));
@@ -126,6 +131,17 @@ impl CacheState {
         };
         slot_of[expert] = Some(slot);
     }
+}
+
+/// Who a slot is loaded for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Claim {
+    /// A fetch that waits for it: pinned by that fetch.
+    Fetch,
+    /// A prefetch: unpinned, and speculative until a fetch wants it.
+    Prefetch,
+    /// A hot expert loaded at open (hot slots are never evicted).
+    Preload,
 }
 
 pub(crate) struct LayerCache {

@@ -27,7 +27,7 @@ use std::time::Instant;
 use sluice_core::{Error, Result};
 use sluice_formats::{Checkpoint, ExpertMats};
 
-use crate::cache::{LayerCache, SlotState};
+use crate::cache::{Claim, LayerCache, SlotState};
 use crate::io::{AlignedBuf, DirectStatus, FileHandle};
 use crate::layout::MatLayout;
 use crate::pool::{IoCounters, Load, LoadReq, ReadPool, Reader, Target};
@@ -483,7 +483,7 @@ impl ExpertStore {
                         target: Target::Slot { cache: cache.clone(), slot: s },
                     };
                     let (load, jobs) = reader.start(req, &le.plans[x], &cache.bufs[s], 0);
-                    st.assign(s, x, load.clone(), 0, false);
+                    st.assign(s, x, load.clone(), Claim::Preload);
                     st.slots[s].hot = true;
                     reader.pool.submit(jobs, true);
                     loads.push((load, le.plans[x].bytes as u64));
@@ -687,7 +687,7 @@ impl ExpertStore {
                         let target = Target::Slot { cache: s.caches[layer].clone().expect("a cache"), slot: si };
                         let req = LoadReq { layer, expert: x, speculative: false, target };
                         let (load, j) = s.reader.start(req, plan, &cache.bufs[si], 0);
-                        st.assign(si, x, load.clone(), 1, false);
+                        st.assign(si, x, load.clone(), Claim::Fetch);
                         jobs.extend(j);
                         waits.push(load.clone());
                         pinned.push(si);
@@ -786,7 +786,7 @@ impl ExpertStore {
                     target: Target::Slot { cache: cache.clone(), slot: si },
                 };
                 let (load, j) = s.reader.start(req, plan, &cache.bufs[si], 0);
-                st.assign(si, x, load, 0, true);
+                st.assign(si, x, load, Claim::Prefetch);
                 st.c.prefetch_issued += 1;
                 st.c.prefetch_issued_bytes += plan.read_bytes as u64;
                 jobs.extend(j);

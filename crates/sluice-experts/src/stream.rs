@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use sluice_core::Result;
 
-use crate::cache::LayerCache;
+use crate::cache::{Claim, LayerCache};
 use crate::io::AlignedBuf;
 use crate::layout::LayerExperts;
 use crate::pool::{Load, LoadReq, Target};
@@ -142,7 +142,7 @@ impl<'a> Stream<'a> {
                     let target = Target::Slot { cache: s.caches[layer].clone().expect("a cache"), slot: si };
                     let req = LoadReq { layer, expert: x, speculative: false, target };
                     let (load, jobs) = s.reader.start(req, plan, &cache.bufs[si], 0);
-                    cs.assign(si, x, load.clone(), 1, false);
+                    cs.assign(si, x, load.clone(), Claim::Fetch);
                     st.items[i] = Item::Slot { slot: si, load: Some(load) };
                     jobs
                 }
