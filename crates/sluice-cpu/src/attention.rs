@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use crate::dot::dot_f32;
+use crate::dot::{dot_f32_rows, weighted_sum};
 use crate::ops::softmax;
 
 /// One layer's keys and values, `kv_dim` floats per position. Full-attention layers
@@ -108,8 +108,8 @@ pub struct AttnSeq<'a> {
 /// Causal attention for a batch of sequences, each over its own cache and its own
 /// new rows. `q` is `[n, n_heads * head_dim]`, `k_new` and `v_new` `[n, kv_dim]`,
 /// the sequences' rows one after another as `seqs` says; writes `out`, shaped like
-/// `q`. One task computes one row's query heads that share a KV head (each key and
-/// value read once for the group), whole and in a fixed order, so a sequence's result
+/// `q`. One task computes some of one row's query heads that share a KV head (each
+/// key and value read once for them), whole and in a fixed order, so a sequence's result
 /// does not depend on the others in the batch or the thread count.
 pub fn attention(p: &AttnParams, q: &[f32], k_new: &[f32], v_new: &[f32], seqs: &[AttnSeq<'_>], out: &mut [f32]) {
     let hd = p.head_dim;
@@ -121,14 +121,22 @@ pub fn attention(p: &AttnParams, q: &[f32], k_new: &[f32], v_new: &[f32], seqs: 
         row_seq.extend(std::iter::repeat_n(si as u32, s.rows));
     }
     assert_eq!(row_seq.len(), n, "attention: the sequences cover {} rows of {n}", row_seq.len());
-    let job = Job { p, q, k_new, v_new, seqs, row_seq: &row_seq };
     let group = p.n_heads / p.n_kv_heads;
     let total: usize = seqs.iter().map(|s| s.rows * p.n_heads * (s.cache.len() + s.rows) * hd).sum();
-    let task = |(idx, o): (usize, &mut [f32])| job.run(idx / p.n_kv_heads, idx % p.n_kv_heads, o);
-    if total >= 1 << 14 {
-        out.par_chunks_mut(group * hd).enumerate().for_each(task);
+    let parallel = total >= 1 << 14;
+    // Query heads per task: a KV head's whole group shares each key and value read,
+    // but one decode row then has as few tasks as KV heads (one on Gemma 3), so the
+    // group is split until every thread has work. A head's result does not depend on
+    // the heads it is computed with.
+    let threads = if parallel { rayon::current_num_threads() } else { 1 };
+    let heads = (1..=group).rev().find(|&d| group.is_multiple_of(d) && n * (p.n_heads / d) >= 2 * threads).unwrap_or(1);
+    let job = Job { p, q, k_new, v_new, seqs, row_seq: &row_seq, heads };
+    let tasks_per_row = p.n_heads / heads;
+    let task = |(idx, o): (usize, &mut [f32])| job.run(idx / tasks_per_row, (idx % tasks_per_row) * heads, o);
+    if parallel {
+        out.par_chunks_mut(heads * hd).enumerate().for_each(task);
     } else {
-        out.chunks_mut(group * hd).enumerate().for_each(task);
+        out.chunks_mut(heads * hd).enumerate().for_each(task);
     }
 }
 
@@ -140,15 +148,18 @@ struct Job<'a> {
     v_new: &'a [f32],
     seqs: &'a [AttnSeq<'a>],
     row_seq: &'a [u32],
+    /// Query heads per task, all of one KV head's group.
+    heads: usize,
 }
 
 impl Job<'_> {
-    /// Row `row`'s query heads of KV head `kvh` into `out` (`group * head_dim`).
-    fn run(&self, row: usize, kvh: usize, out: &mut [f32]) {
+    /// Row `row`'s query heads `h0..h0 + self.heads` into `out` (`heads * head_dim`).
+    fn run(&self, row: usize, h0: usize, out: &mut [f32]) {
         let p = self.p;
         let hd = p.head_dim;
         let (kv_dim, q_dim) = (p.n_kv_heads * hd, p.n_heads * hd);
-        let group = p.n_heads / p.n_kv_heads;
+        let heads = self.heads;
+        let kvh = h0 / (p.n_heads / p.n_kv_heads);
         let s = &self.seqs[self.row_seq[row] as usize];
         let (cache, start) = (s.cache, s.cache.len());
         let pos = start + row - s.first;
@@ -163,29 +174,21 @@ impl Job<'_> {
         let value = |j: usize| -> &[f32] {
             if j < start { &cache.value(j)[kh..kh + hd] } else { &self.v_new[new_row(j)..new_row(j) + hd] }
         };
-        let qs = &self.q[row * q_dim + kvh * group * hd..row * q_dim + (kvh + 1) * group * hd];
+        let qs = &self.q[row * q_dim + h0 * hd..row * q_dim + (h0 + heads) * hd];
         let len = pos + 1 - lo;
-        // Scores of every head of the group, head-major; each key is read once for all.
-        let mut sc = vec![0f32; group * len];
-        for (t, j) in (lo..=pos).enumerate() {
-            let k = key(j);
-            for g in 0..group {
-                sc[g * len + t] = dot_f32(&qs[g * hd..(g + 1) * hd], k) * p.scale;
-            }
-        }
-        for w in sc.chunks_mut(len) {
+        // Scores of every head of the task, head-major (the keys stay in cache from
+        // one head to the next).
+        let mut sc = vec![0f32; heads * len];
+        for (qh, w) in qs.chunks(hd).zip(sc.chunks_mut(len)) {
+            dot_f32_rows(qh, |t| key(lo + t), w);
+            w.iter_mut().for_each(|x| *x *= p.scale);
             if let Some(cap) = p.softcap {
                 w.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
             }
             softmax(w);
         }
-        out.fill(0.0);
-        for (t, j) in (lo..=pos).enumerate() {
-            let v = value(j);
-            for g in 0..group {
-                let w = sc[g * len + t];
-                out[g * hd..(g + 1) * hd].iter_mut().zip(v).for_each(|(a, &b)| *a += w * b);
-            }
+        for (o, w) in out.chunks_mut(hd).zip(sc.chunks(len)) {
+            weighted_sum(o, w, |t| value(lo + t));
         }
     }
 }

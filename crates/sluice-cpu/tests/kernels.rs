@@ -377,3 +377,35 @@ fn matmul_many_equals_separate_calls() {
         }
     }
 }
+
+/// Attention's vector loops give the bits of their scalar definitions on every ISA:
+/// `dot_f32_rows` is `dot_f32` per row, `weighted_sum` the in-order sum of
+/// separately rounded products (whole 64-column blocks and a tail).
+#[test]
+fn attention_loops_keep_their_scalar_bits() {
+    use sluice_cpu::dot::{dot_f32_rows, weighted_sum};
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng(9);
+    for hd in [64, 128, 256, 72, 8, 3] {
+        let len = 37;
+        let q = random_input(1, hd, &mut rng);
+        let rows = random_input(len, hd, &mut rng);
+        let w: Vec<f32> = random_input(1, len, &mut rng).iter().map(|v| v.abs()).collect();
+        let row = |t: usize| &rows[t * hd..(t + 1) * hd];
+        let mut want_sum = vec![0f32; hd];
+        for (t, &wt) in w.iter().enumerate() {
+            want_sum.iter_mut().zip(row(t)).for_each(|(a, &b)| *a += wt * b);
+        }
+        for v in variants() {
+            select(v);
+            let mut scores = vec![0f32; len];
+            dot_f32_rows(&q, row, &mut scores);
+            let want: Vec<f32> = (0..len).map(|t| dot_f32(&q, row(t))).collect();
+            assert_bitwise(&format!("dot_f32_rows {v:?} head_dim {hd}"), &scores, &want);
+            let mut got = vec![f32::NAN; hd];
+            weighted_sum(&mut got, &w, row);
+            assert_bitwise(&format!("weighted_sum {v:?} head_dim {hd}"), &got, &want_sum);
+        }
+    }
+    select(best());
+}
