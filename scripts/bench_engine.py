@@ -14,9 +14,10 @@ their speed drifts from minute to minute). Needs only Python 3 and a release bui
       a streamed prompt against the same prompt with the experts in memory (mapped,
       page cache warm: the computation alone) and the disk time (the bytes it read
       over the O_DIRECT bandwidth bench measures), alternated.
-  scripts/bench_engine.py plan MODEL [--rounds N] [-- FLAGS]
+  scripts/bench_engine.py plan MODEL [--rounds N] [--routing HIST] [-- FLAGS]
       `sluice plan --json` against `sluice bench --json` with the same flags,
-      alternated: predicted and measured decode and prefill, and their ratio.
+      alternated: predicted and measured decode and prefill, and their ratio
+      (the plan given the routing histogram HIST when there is one).
 
 The binary is target/release/sluice unless --bin says otherwise. Threads: --threads
 in the flags (default: what sluice picks).
@@ -117,12 +118,13 @@ def cmd_plan(a):
     for r in range(a.rounds):
         for what in (["plan", "bench"] if r % 2 == 0 else ["bench", "plan"]):
             if what == "plan":
-                pred.append(run_json([a.bin, "plan", "-m", a.model, "--json"] + a.flags)["prediction"])
+                routing = ["--routing", a.routing] if a.routing else []
+                pred.append(run_json([a.bin, "plan", "-m", a.model, "--json"] + a.flags + routing)["prediction"])
             else:
                 meas.append(bench(a.bin, a.model, a.flags + ["--no-roofline"]))
     pd, md = med([p["decode_tok_s"] for p in pred]), med([m["decode_tok_s"] for m in meas])
     pp, mp = med([p["prefill_tok_s"] for p in pred]), med([m["prefill_tok_s"] for m in meas])
-    flags = " ".join(a.flags)
+    flags = " ".join(a.flags + (["--routing", os.path.basename(a.routing)] if a.routing else []))
     print("| model and flags | predicted decode | measured | ratio | predicted prefill | measured | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {os.path.basename(a.model)} {flags} | {pd:.2f} | {md:.2f} | {pd / md:.2f} | {pp:.1f} | {mp:.1f} | {pp / mp:.2f} |")
@@ -145,6 +147,7 @@ def main():
     pre.add_argument("--tokens", type=int, default=512)
     pl = sub.add_parser("plan")
     pl.add_argument("model")
+    pl.add_argument("--routing", help="a histogram from --record-routing, for the plan only")
     for s in (ab, par, pre, pl):
         s.add_argument("--rounds", type=int, default=3)
     argv = sys.argv[1:]
