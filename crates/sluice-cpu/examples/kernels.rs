@@ -10,6 +10,11 @@
 //! - decode on one 4096 x 4096 matrix repeated (cache-resident where it fits);
 //! - prefill (n = 128) on 4096 x 4096: GFLOP/s (2 * rows * cols * n per call).
 //!
+//! With `--rows`, a few rows on the hot 4096 x 4096 matrix (n = 1, 2, 4, 8, 16, the
+//! decode steps of a few sequences and the rows an expert gets): integer
+//! multiply-accumulates per second (rows * cols * n per call) and time per row against
+//! n = 1, to see where arithmetic binds.
+//!
 //! Then small-model shapes (SmolLM2-135M: 576 x 576 and 1536 x 576 / 576 x 1536, Q4_1;
 //! Qwen2.5-1.5B: 896 x 1536 Q4_K and Q6_K): microseconds per decode call, and the
 //! per-call overhead, measured on a 16 x 32 matrix whose arithmetic is negligible.
@@ -89,7 +94,7 @@ fn main() {
     );
     let mut rng = Rng(7);
     let pools = [pool(1), pool(2)];
-    let only = if has("--no-big") { vec![] } else { only };
+    let only = if has("--no-big") || has("--rows") { vec![] } else { only };
     for dtype in only {
         let one = random_matrix(dtype, BIG, BIG, &mut rng);
         // Enough copies to overflow a 32 MiB L3 several times.
@@ -135,11 +140,47 @@ fn main() {
             );
         }
     }
+    if has("--rows") {
+        few_rows(&pools, &only_rows(&args), &mut rng);
+    }
     if !skip_small {
         small(&pools, &mut rng);
     }
     if !has("--no-models") {
         models(&pools, &mut rng);
+    }
+}
+
+/// The formats `--only` names, or the two of the quantized models' large matrices.
+fn only_rows(args: &[String]) -> Vec<DType> {
+    let i = args.iter().position(|a| a == "--only");
+    i.map_or(vec![DType::Q4K, DType::Q6K], |i| args[i + 1].split(',').map(parse).collect())
+}
+
+/// A few rows against one hot matrix: GMAC/s and time per row relative to one row.
+fn few_rows(pools: &[rayon::ThreadPool], dtypes: &[DType], rng: &mut Rng) {
+    println!("\nfew rows, 4096 x 4096 hot: GMAC/s (time per row against n = 1)");
+    const NS: [usize; 5] = [1, 2, 4, 8, 16];
+    println!("{:<6} {:>3} | {}", "type", "thr", NS.map(|n| format!("{:>15}", format!("n={n}"))).join(" "));
+    for &dtype in dtypes {
+        let bytes = random_matrix(dtype, BIG, BIG, rng);
+        let w = MatRef::new(dtype, BIG, BIG, &bytes).unwrap();
+        let x = random_input(16, BIG, rng);
+        let mut out = vec![0f32; 16 * BIG];
+        for (ti, p) in pools.iter().enumerate() {
+            let per_row: Vec<f64> = NS
+                .iter()
+                .map(|&n| {
+                    let (x, out) = (&x[..n * BIG], &mut out[..n * BIG]);
+                    p.install(|| time(Duration::from_millis(400), || matmul(w, x, n, out, Precision::Fast))) / n as f64
+                })
+                .collect();
+            let cells: Vec<String> = per_row
+                .iter()
+                .map(|t| format!("{:>7.1} ({:>4.2})", (BIG * BIG) as f64 / t / 1e9, t / per_row[0]))
+                .collect();
+            println!("{:<6} {:>3} | {}", dtype.name(), ti + 1, cells.join(" "));
+        }
     }
 }
 

@@ -31,11 +31,11 @@ pub(crate) struct Head32<S: Lanes> {
 /// The integer dot product of a chunk with the block's 32 activation elements from
 /// `e`, on top of `acc`.
 #[inline(always)]
-unsafe fn dot<S: Lanes, const TWO: bool, const FULL: bool>(w: &Chunk<S>, a: &Tok, e: usize, acc: S::I) -> S::I {
+unsafe fn dot<S: Lanes, const TWO: bool, const MAX: u32>(w: &Chunk<S>, a: &Tok, e: usize, acc: S::I) -> S::I {
     unsafe {
         // Two chains so that decode, with one token, is not latency-bound.
-        let a0 = dot4::<S, TWO, FULL>(acc, [w[0], w[1], w[2], w[3]], a, e);
-        let a1 = dot4::<S, TWO, FULL>(S::splat(0), [w[4], w[5], w[6], w[7]], a, e + 16);
+        let a0 = dot4::<S, TWO, MAX>(acc, [w[0], w[1], w[2], w[3]], a, e);
+        let a1 = dot4::<S, TWO, MAX>(S::splat(0), [w[4], w[5], w[6], w[7]], a, e + 16);
         S::add(a0, a1)
     }
 }
@@ -81,10 +81,10 @@ type Acc32<S> = (<S as Lanes>::I, <S as Lanes>::F);
 
 /// What the 32-element formats share: one chunk per block, and the arithmetic,
 /// which differs only in whether codes carry an offset (folded in from the
-/// activations' `aux`) or a min (`MIN`, added in `finish`), and whether code bytes
-/// may reach 128 (`FULL`, Q8_0's sign-flipped bytes).
+/// activations' `aux`) or a min (`MIN`, added in `finish`), and in the largest code
+/// (`max`: 255 for Q8_0's sign-flipped bytes, 31 for five bits, 24 for MXFP4's).
 macro_rules! block32_common {
-    ($bytes:expr, min: $min:literal, full: $full:literal) => {
+    ($bytes:expr, min: $min:literal, max: $max:literal) => {
         const CHUNKS: usize = 1;
         const UNIT_BYTES: usize = $bytes;
         const UNIT_ELEMS: usize = 32;
@@ -103,7 +103,7 @@ macro_rules! block32_common {
             _: usize,
             (i, f): Acc32<S>,
         ) -> Acc32<S> {
-            unsafe { (dot::<S, TWO, $full>(w, a, 32 * u, i), f) }
+            unsafe { (dot::<S, TWO, $max>(w, a, 32 * u, i), f) }
         }
         #[inline(always)]
         unsafe fn finish(h: &Head32<S>, a: &Tok, u: usize, acc: Acc32<S>) -> S::F {
@@ -120,7 +120,7 @@ pub(crate) struct Q5_1;
 pub(crate) struct Mxfp4;
 
 impl<S: Lanes> Kernel<S> for Q8_0 {
-    block32_common!(34, min: false, full: true);
+    block32_common!(34, min: false, max: 255);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe { Head32 { d: S::f16_lo(src.word(off)), m: S::zero_f(), qh: S::splat(0) } }
@@ -142,7 +142,7 @@ impl<S: Lanes> Kernel<S> for Q8_0 {
 }
 
 impl<S: Lanes> Kernel<S> for Q4_0 {
-    block32_common!(18, min: false, full: false);
+    block32_common!(18, min: false, max: 15);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe { Head32 { d: S::f16_lo(src.word(off)), m: S::zero_f(), qh: S::splat(0) } }
@@ -154,7 +154,7 @@ impl<S: Lanes> Kernel<S> for Q4_0 {
 }
 
 impl<S: Lanes> Kernel<S> for Q4_1 {
-    block32_common!(20, min: true, full: false);
+    block32_common!(20, min: true, max: 15);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe {
@@ -169,7 +169,7 @@ impl<S: Lanes> Kernel<S> for Q4_1 {
 }
 
 impl<S: Lanes> Kernel<S> for Q5_0 {
-    block32_common!(22, min: false, full: false);
+    block32_common!(22, min: false, max: 31);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe { Head32 { d: S::f16_lo(src.word(off)), m: S::zero_f(), qh: src.word(off + 2) } }
@@ -181,7 +181,7 @@ impl<S: Lanes> Kernel<S> for Q5_0 {
 }
 
 impl<S: Lanes> Kernel<S> for Q5_1 {
-    block32_common!(24, min: true, full: false);
+    block32_common!(24, min: true, max: 31);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe {
@@ -221,7 +221,7 @@ unsafe fn e8m0_half<S: Lanes>(e: S::I) -> S::F {
 }
 
 impl<S: Lanes> Kernel<S> for Mxfp4 {
-    block32_common!(17, min: false, full: false);
+    block32_common!(17, min: false, max: 24);
     #[inline(always)]
     unsafe fn head(src: &Seg<S>, off: usize) -> Head32<S> {
         unsafe {

@@ -75,43 +75,25 @@ pub(crate) trait Kernel<S: Lanes> {
 }
 
 /// `acc` plus the dot product of four words of codes with activation elements
-/// `e..e + 16` of `a` (word `k` with elements `e + 4k..`). With 16-bit activations
-/// (`TWO`) both bytes meet the same codes and are joined exactly,
-/// `acc + (w·hi << 8) + w·lo`; `FULL` as [`Lanes::dpbusd_full`].
+/// `e..e + 16` of `a` (word `k` with elements `e + 4k..`); `MAX` is the largest code
+/// (see [`Lanes::dpbusd4`]). With 16-bit activations (`TWO`) both bytes meet the same
+/// codes and are joined exactly, `acc + (w·hi << 8) + w·lo`.
 #[inline(always)]
-pub(crate) unsafe fn dot4<S: Lanes, const TWO: bool, const FULL: bool>(
+pub(crate) unsafe fn dot4<S: Lanes, const TWO: bool, const MAX: u32>(
     acc: S::I,
     w: [S::I; 4],
     a: &Tok,
     e: usize,
 ) -> S::I {
     unsafe {
-        let mut acc = acc;
+        let words = |p: *const i8| std::array::from_fn(|k| word(p.add(e + 4 * k)));
         if TWO {
-            let (hi, lo) = (a.xq.add(e), a.lo.add(e));
-            let mut t = S::splat(0);
-            for (k, &w) in w.iter().enumerate() {
-                t = dp::<S, FULL>(t, w, word(hi.add(4 * k)));
-            }
-            acc = S::add(acc, S::slli::<8>(t));
-            for (k, &w) in w.iter().enumerate() {
-                acc = dp::<S, FULL>(acc, w, word(lo.add(4 * k)));
-            }
+            let t = S::dpbusd4::<MAX>(S::splat(0), w, words(a.xq));
+            S::dpbusd4::<MAX>(S::add(acc, S::slli::<8>(t)), w, words(a.lo))
         } else {
-            let x = a.xq.add(e);
-            for (k, &w) in w.iter().enumerate() {
-                acc = dp::<S, FULL>(acc, w, word(x.add(4 * k)));
-            }
+            S::dpbusd4::<MAX>(acc, w, words(a.xq))
         }
-        acc
     }
-}
-
-/// [`Lanes::dpbusd`], or [`Lanes::dpbusd_full`] if `FULL`. (Not a closure: closures
-/// do not inherit the caller's target features, and their intrinsics stay calls.)
-#[inline(always)]
-unsafe fn dp<S: Lanes, const FULL: bool>(acc: S::I, w: S::I, x: u32) -> S::I {
-    unsafe { if FULL { S::dpbusd_full(acc, w, x) } else { S::dpbusd(acc, w, x) } }
 }
 
 /// How far past the window being transposed each row is prefetched (on Zen 5, 256

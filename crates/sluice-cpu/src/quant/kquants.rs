@@ -104,7 +104,7 @@ pub(crate) struct AccK<S: Lanes> {
 }
 
 #[inline(always)]
-unsafe fn step_k<S: Lanes, const TWO: bool>(
+unsafe fn step_k<S: Lanes, const TWO: bool, const MAX: u32>(
     w: &Chunk<S>,
     h: &HeadK<S>,
     a: &Tok,
@@ -120,8 +120,8 @@ unsafe fn step_k<S: Lanes, const TWO: bool>(
             lo = S::splat(0);
             hi = S::splat(0);
         }
-        lo = dot4::<S, TWO, false>(lo, [w[0], w[1], w[2], w[3]], a, e);
-        hi = dot4::<S, TWO, false>(hi, [w[4], w[5], w[6], w[7]], a, e + 32);
+        lo = dot4::<S, TWO, MAX>(lo, [w[0], w[1], w[2], w[3]], a, e);
+        hi = dot4::<S, TWO, MAX>(hi, [w[4], w[5], w[6], w[7]], a, e + 32);
         if hh == 1 {
             f = fold_k(h, a, u, p, lo, hi, f);
         }
@@ -182,7 +182,7 @@ impl<S: Lanes> Kernel<S> for Q4K {
     }
     #[inline(always)]
     unsafe fn step<const TWO: bool>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
-        unsafe { step_k::<S, TWO>(w, h, a, u, c, acc) }
+        unsafe { step_k::<S, TWO, 15>(w, h, a, u, c, acc) }
     }
     #[inline(always)]
     unsafe fn finish(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>) -> S::F {
@@ -215,7 +215,7 @@ impl<S: Lanes> Kernel<S> for Q5K {
     }
     #[inline(always)]
     unsafe fn step<const TWO: bool>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
-        unsafe { step_k::<S, TWO>(w, h, a, u, c, acc) }
+        unsafe { step_k::<S, TWO, 31>(w, h, a, u, c, acc) }
     }
     #[inline(always)]
     unsafe fn finish(h: &HeadK<S>, a: &Tok, u: usize, acc: AccK<S>) -> S::F {
@@ -280,7 +280,7 @@ impl<S: Lanes> Kernel<S> for Q6K {
                 // The -32 offset of the codes, per 16 elements, from the activation side.
                 let sub = S::splat(*a.aux16.add(16 * u + g) as u32);
                 let k = 4 * half;
-                let sub = dot4::<S, TWO, false>(sub, [w[k], w[k + 1], w[k + 2], w[k + 3]], a, 256 * u + 16 * g);
+                let sub = dot4::<S, TWO, 63>(sub, [w[k], w[k + 1], w[k + 2], w[k + 3]], a, 256 * u + 16 * g);
                 f = fold6(h, a, u, g, sub, f);
             }
             f

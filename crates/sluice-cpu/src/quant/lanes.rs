@@ -91,6 +91,21 @@ pub(crate) trait Lanes: Copy {
     unsafe fn dpbusd(acc: Self::I, w: Self::I, x: u32) -> Self::I;
     /// As [`Lanes::dpbusd`] for weight bytes of any value.
     unsafe fn dpbusd_full(acc: Self::I, w: Self::I, x: u32) -> Self::I;
+    /// `acc` plus four [`Lanes::dpbusd`] (`w[k]` against `x[k]`; [`Lanes::dpbusd_full`]
+    /// if `MAX > 127`), where `MAX` is the largest value a weight byte can take. The
+    /// sum is exact, so an ISA may group the products as it likes: AVX2 without VNNI,
+    /// whose byte products are 16 bits wide, adds as many as `MAX` lets fit in 16 bits
+    /// before widening them.
+    #[inline(always)]
+    unsafe fn dpbusd4<const MAX: u32>(acc: Self::I, w: [Self::I; 4], x: [u32; 4]) -> Self::I {
+        unsafe {
+            let mut acc = acc;
+            for k in 0..4 {
+                acc = if MAX > 127 { Self::dpbusd_full(acc, w[k], x[k]) } else { Self::dpbusd(acc, w[k], x[k]) };
+            }
+            acc
+        }
+    }
 
     unsafe fn zero_f() -> Self::F;
     unsafe fn splat_f(v: f32) -> Self::F;

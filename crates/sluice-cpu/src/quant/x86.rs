@@ -283,6 +283,56 @@ impl<const VNNI: bool> Lanes for Avx2<VNNI> {
         }
     }
     #[inline(always)]
+    unsafe fn dpbusd4<const MAX: u32>(acc: __m256i, w: [__m256i; 4], x: [u32; 4]) -> __m256i {
+        unsafe {
+            if VNNI {
+                let mut acc = acc;
+                for k in 0..4 {
+                    acc = Self::dpbusd(acc, w[k], x[k]);
+                }
+                return acc;
+            }
+            // `vpmaddubsw` gives 16-bit sums of two byte products, each lane at most
+            // 2 * 128 * MAX in magnitude: add as many as fit in 16 bits before the
+            // widening `vpmaddwd`, which, like `vpmaddubsw`, takes one of the two
+            // multiply ports of Zen 3 (8 of them per four words become 5 for codes of
+            // 4 and 5 bits, 6 for Q6_K's 6).
+            let xv = x.map(|x| _mm256_set1_epi32(x as i32));
+            let ones = _mm256_set1_epi16(1);
+            if MAX > 127 {
+                // Nibbles, as in `dpbusd_full`; four sums of each fit (15360).
+                let m = _mm256_set1_epi8(0x0F);
+                let nib = |w: __m256i, k: usize| {
+                    (
+                        _mm256_maddubs_epi16(_mm256_and_si256(w, m), xv[k]),
+                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16::<4>(w), m), xv[k]),
+                    )
+                };
+                let (mut lo, mut hi) = nib(w[0], 0);
+                for k in 1..4 {
+                    let (l, h) = nib(w[k], k);
+                    lo = _mm256_add_epi16(lo, l);
+                    hi = _mm256_add_epi16(hi, h);
+                }
+                let s = _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(16)), _mm256_madd_epi16(lo, ones));
+                return _mm256_add_epi32(acc, s);
+            }
+            let per = (i16::MAX as u32 / (256 * MAX.max(1))).max(1) as usize;
+            let mut acc = acc;
+            let mut k = 0;
+            while k < 4 {
+                let end = (k + per).min(4);
+                let mut s = _mm256_maddubs_epi16(w[k], xv[k]);
+                for j in k + 1..end {
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], xv[j]));
+                }
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s, ones));
+                k = end;
+            }
+            acc
+        }
+    }
+    #[inline(always)]
     unsafe fn zero_f() -> __m256 {
         unsafe { _mm256_setzero_ps() }
     }
