@@ -10,14 +10,16 @@ use serde_json::json;
 use sluice_core::{Error, Precision, Result};
 use sluice_engine::plan::{self, Placement, Request, WeightsPlace};
 use sluice_engine::stats::{PhaseMs, peak_rss_bytes, storage_read_bytes};
-use sluice_engine::{Chunk, Cpu, LoadOptions, Logits, Model, PilotStats, Prefetch, Sampler, SamplerConfig, StepStats};
+use sluice_engine::{
+    Backend, Chunk, Cpu, LoadOptions, Logits, Model, PilotStats, Prefetch, Sampler, SamplerConfig, StepStats,
+};
 use sluice_experts::{CacheBudget, ExpertLayout, Policy, Residency, RoutingHistogram, StoreConfig, human_bytes};
 use sluice_formats::Checkpoint;
 use sluice_formats::gguf::GgufFile;
 use sluice_tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
 use crate::stop::StopText;
-use crate::{EngineArgs, LogitsMode, PolicyArg, PrecisionArg, PrefetchArg, ResidencyArg, WeightsArg};
+use crate::{BackendArg, EngineArgs, LogitsMode, PolicyArg, PrecisionArg, PrefetchArg, ResidencyArg, WeightsArg};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -150,13 +152,61 @@ fn init_threads(n: Option<usize>) -> Result<usize> {
 
 /// A loaded model, the seconds its loading took, and where its weights live
 /// ("memory" or "mapped").
-struct Loaded {
-    model: Model,
+struct Loaded<B: Backend> {
+    model: Model<B>,
     load_s: f64,
     weights: &'static str,
 }
 
-fn load_model(e: &EngineArgs) -> Result<Loaded> {
+/// Runs `$body` with `$loaded` the model loaded on the backend `--backend` chooses
+/// (each backend's code is its own instance of the generic command).
+macro_rules! with_backend {
+    ($e:expr, |$loaded:ident| $body:expr) => {
+        match choose_backend($e)? {
+            BackendArg::Cpu => {
+                let $loaded = load_model(Cpu::default(), $e)?;
+                $body
+            }
+            BackendArg::Cuda => {
+                let be = sluice_cuda::Cuda::open(0)?;
+                let (free, total) = be.memory()?;
+                eprintln!(
+                    "GPU: {}, {} free of {}",
+                    be.device_name(),
+                    human_bytes(free as u64),
+                    human_bytes(total as u64)
+                );
+                let gpu = be.clone();
+                let $loaded = load_model(be, $e)?;
+                let done = $body;
+                let t = gpu.expert_traffic();
+                if t.vram_hits + t.host_fills > 0 {
+                    eprintln!(
+                        "GPU experts: {} from VRAM, {} copied from the host ({}), {} evicted, {} held",
+                        t.vram_hits,
+                        t.host_fills,
+                        human_bytes(t.fill_bytes),
+                        t.evictions,
+                        human_bytes(t.vram_bytes)
+                    );
+                }
+                done
+            }
+            BackendArg::Auto => unreachable!("choose_backend resolves auto"),
+        }
+    };
+}
+
+/// `--backend`, with `auto` resolved: CUDA where a GPU can be used, else the CPU.
+fn choose_backend(e: &EngineArgs) -> Result<BackendArg> {
+    Ok(match e.backend {
+        BackendArg::Auto if sluice_cuda::probe().is_none() => BackendArg::Cuda,
+        BackendArg::Auto => BackendArg::Cpu,
+        b => b,
+    })
+}
+
+fn load_model<B: Backend>(be: B, e: &EngineArgs) -> Result<Loaded<B>> {
     let t = Instant::now();
     let mut ckpt = Checkpoint::open(&e.model)?;
     let (opts, placement) = load_options(e, &ckpt)?;
@@ -188,7 +238,7 @@ fn load_model(e: &EngineArgs) -> Result<Loaded> {
     }
     let b = if opts.store.residency == Residency::Resident { bar("experts") } else { None };
     let mut progress = |done: u64, all: u64| show(&b, done, all);
-    let model = Model::load_with(Cpu::default(), &ckpt, &opts, Some(&mut progress))?;
+    let model = Model::load_with(be, &ckpt, &opts, Some(&mut progress))?;
     if let Some(b) = b {
         b.finish_and_clear();
     }
@@ -290,7 +340,7 @@ fn precision(e: &EngineArgs) -> Option<Precision> {
 }
 
 /// Saves the routing histogram if `--record-routing` asked for it.
-fn record_routing(e: &EngineArgs, model: &Model) -> Result<()> {
+fn record_routing<B: Backend>(e: &EngineArgs, model: &Model<B>) -> Result<()> {
     match &e.record_routing {
         Some(path) => model.store.histogram().save(path),
         None => Ok(()),
@@ -337,7 +387,7 @@ fn ensure_chat_template(tok: &mut Tokenizer, file: Option<&Path>) -> Result<Opti
     Ok(Some(TRANSCRIPT_STOP))
 }
 
-fn stop_ids(model: &Model, tok: &Tokenizer) -> Vec<u32> {
+fn stop_ids<B: Backend>(model: &Model<B>, tok: &Tokenizer) -> Vec<u32> {
     let mut ids: Vec<u32> = tok.eos_ids().to_vec();
     ids.extend(&model.spec.eos_token_ids);
     ids.sort_unstable();
@@ -364,7 +414,16 @@ pub fn run(a: RunArgs) -> Result<()> {
     if a.chat {
         stop_texts.extend(ensure_chat_template(&mut tok, a.chat_template.as_deref())?.map(String::from));
     }
-    let Loaded { model, load_s, weights } = load_model(&a.engine)?;
+    with_backend!(&a.engine, |loaded| run_on(&a, threads, tok, stop_texts, loaded))
+}
+
+fn run_on<B: Backend>(
+    a: &RunArgs,
+    threads: usize,
+    tok: Tokenizer,
+    stop_texts: Vec<String>,
+    Loaded { model, load_s, weights }: Loaded<B>,
+) -> Result<()> {
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
     });
@@ -374,7 +433,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut out = std::io::stdout().lock();
     let mut totals = Vec::new();
 
-    let mut generate_into = |session: &mut sluice_engine::Session<'_, sluice_engine::Cpu>,
+    let mut generate_into = |session: &mut sluice_engine::Session<'_, B>,
                              prompt: &[u32],
                              out: &mut std::io::StdoutLock<'_>|
      -> Result<(Vec<u32>, String, sluice_engine::GenerationStats)> {
@@ -467,6 +526,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             "threads": threads,
             "isa": format!("{:?}", sluice_cpu::isa()),
             "seed": seed,
+            "backend": model.be.name(),
             "precision": precision_name(&model),
             "weights": weights,
             "load_s": load_s,
@@ -489,7 +549,7 @@ pub fn run(a: RunArgs) -> Result<()> {
 }
 
 /// The expert store's counters and the pilot's recall, for --stats and bench --json.
-fn precision_name(model: &Model) -> &'static str {
+fn precision_name<B: Backend>(model: &Model<B>) -> &'static str {
     match model.precision {
         None => "auto",
         Some(Precision::Fast) => "fast",
@@ -497,7 +557,7 @@ fn precision_name(model: &Model) -> &'static str {
     }
 }
 
-fn expert_stats(model: &Model, pilot: &PilotStats) -> serde_json::Value {
+fn expert_stats<B: Backend>(model: &Model<B>, pilot: &PilotStats) -> serde_json::Value {
     json!({
         "store": model.store.stats(),
         "prefetch": match model.prefetch { Prefetch::Off => "off", Prefetch::Pilot => "pilot" },
@@ -522,7 +582,10 @@ fn parse_tokens(s: &str) -> Result<Vec<u32>> {
 pub fn logits(a: LogitsArgs) -> Result<()> {
     let seqs = a.tokens.iter().map(|t| parse_tokens(t)).collect::<Result<Vec<_>>>()?;
     init_threads(a.engine.threads)?;
-    let model = load_model(&a.engine)?.model;
+    with_backend!(&a.engine, |loaded| logits_on(&a, &seqs, loaded.model))
+}
+
+fn logits_on<B: Backend>(a: &LogitsArgs, seqs: &[Vec<u32>], model: Model<B>) -> Result<()> {
     let mut states = seqs.iter().map(|_| model.new_state()).collect::<Result<Vec<_>>>()?;
     let mut stats = StepStats::default();
     let mut rows: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
@@ -618,7 +681,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         return Err(Error::Usage("--repeat, --prompt-tokens, --gen-tokens and --parallel must be at least 1".into()));
     }
     let threads = init_threads(a.engine.threads)?;
-    let Loaded { model, load_s, weights } = load_model(&a.engine)?;
+    with_backend!(&a.engine, |loaded| bench_on(&a, threads, loaded))
+}
+
+fn bench_on<B: Backend>(a: &BenchArgs, threads: usize, Loaded { model, load_s, weights }: Loaded<B>) -> Result<()> {
     let vocab = model.spec.vocab_size;
     let mut runs = Vec::new();
     let mut last = None;
@@ -639,7 +705,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let t = Instant::now();
         for _ in 0..a.gen_tokens {
             let next: Vec<[u32; 1]> = logits.iter().map(|l| [sluice_engine::sampler::argmax(l)]).collect();
-            let mut chunks: Vec<Chunk<'_, Cpu>> = states
+            let mut chunks: Vec<Chunk<'_, B>> = states
                 .iter_mut()
                 .zip(&next)
                 .map(|(state, t)| Chunk { state, tokens: t, logits: Logits::Last })
@@ -714,6 +780,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "arch": model.spec.arch,
             "threads": threads,
             "isa": format!("{:?}", sluice_cpu::isa()),
+            "backend": model.be.name(),
             "precision": precision_name(&model),
             "weights": weights,
             "load_s": load_s,
@@ -743,8 +810,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("{j}");
     } else {
         println!(
-            "{}: {} threads ({:?}), {} precision, weights {}, experts {}",
+            "{}: {} backend, {} threads ({:?}), {} precision, weights {}, experts {}",
             a.engine.model.display(),
+            model.be.name(),
             threads,
             sluice_cpu::isa(),
             precision_name(&model),

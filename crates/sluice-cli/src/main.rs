@@ -58,6 +58,11 @@ pub struct EngineArgs {
     /// the process's memory cgroup limit if less)
     #[arg(long, value_enum, default_value_t = ResidencyArg::Auto)]
     pub residency: ResidencyArg,
+    /// Where the model computes: cpu, cuda (the first NVIDIA GPU: weights, KV cache
+    /// and activations in its memory; routed experts copied from the host store as
+    /// they are used), or auto (cuda when a GPU and CUDA's libraries are there)
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    pub backend: BackendArg,
     /// Expert cache for streamed residency: bytes with a unit (4GiB, 512MiB) or a number
     /// of slots per MoE layer (16)
     #[arg(long, value_name = "SIZE")]
@@ -107,6 +112,13 @@ pub enum PrecisionArg {
     Auto,
     Fast,
     Accurate,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendArg {
+    Cpu,
+    Cuda,
+    Auto,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

@@ -39,6 +39,10 @@ pub enum Error {
     Usage(String),
     #[error("{0}")]
     Unsupported(String),
+    /// A GPU that cannot be reached or an operation on it that failed (the driver's
+    /// message, and what was being done).
+    #[error("{0}")]
+    Device(String),
 }
 
 impl Error {
@@ -82,6 +86,7 @@ impl Error {
             Error::Template(m) => Error::Template(m.clone()),
             Error::Usage(m) => Error::Usage(m.clone()),
             Error::Unsupported(m) => Error::Unsupported(m.clone()),
+            Error::Device(m) => Error::Device(m.clone()),
         }
     }
 }

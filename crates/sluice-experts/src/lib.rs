@@ -317,6 +317,8 @@ pub struct ExpertStore {
     hist: Vec<Vec<AtomicU64>>,
     layer_requests: Vec<AtomicU64>,
     layer_wait_ns: Vec<AtomicU64>,
+    /// Unique in the process: a device tier keys the experts it holds by it.
+    id: u64,
     io: Arc<IoCounters>,
     direct: Arc<DirectStatus>,
     /// Prefetches of mapped residency, which only hint the kernel.
@@ -333,6 +335,12 @@ struct Hints {
 
 impl ExpertStore {
     /// Serves every expert in place from the mapped checkpoint (the default).
+    /// This store's identity, unique in the process (a GPU backend's VRAM tier,
+    /// shared by the models loaded on it, tells their experts apart by it).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     pub fn open_mapped(ckpt: &Checkpoint) -> Result<ExpertStore> {
         ExpertStore::open(ckpt, &StoreConfig::default(), None)
     }
@@ -370,6 +378,10 @@ impl ExpertStore {
             hist,
             layer_requests: (0..n_layers).map(|_| AtomicU64::new(0)).collect(),
             layer_wait_ns: (0..n_layers).map(|_| AtomicU64::new(0)).collect(),
+            id: {
+                static NEXT: AtomicU64 = AtomicU64::new(0);
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            },
             io: Arc::default(),
             direct,
             hints: Hints::default(),

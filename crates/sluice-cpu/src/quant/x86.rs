@@ -309,8 +309,8 @@ impl<const VNNI: bool> Lanes for Avx2<VNNI> {
                     )
                 };
                 let (mut lo, mut hi) = nib(w[0], 0);
-                for k in 1..4 {
-                    let (l, h) = nib(w[k], k);
+                for (k, &wk) in w.iter().enumerate().skip(1) {
+                    let (l, h) = nib(wk, k);
                     lo = _mm256_add_epi16(lo, l);
                     hi = _mm256_add_epi16(hi, h);
                 }

@@ -1,0 +1,207 @@
+//! The CUDA backend against references: every weight format's product and embedding
+//! against float64 over the dequantized weights, every tiny fixture against the
+//! logits `transformers` computed (fixtures/tiny), and batches against each sequence
+//! alone. On a machine without a GPU every test says so and passes without running:
+//! CI has none; `scripts/gpu_check.sh` runs them on the GPU machine.
+
+#[path = "../../sluice-cpu/tests/common/mod.rs"]
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{Rng, random_input, random_matrix};
+use sluice_core::{DType, MatRef};
+use sluice_cuda::Cuda;
+use sluice_engine::backend::Backend;
+use sluice_engine::model::StepStats;
+use sluice_engine::{Chunk, Logits, Model};
+use sluice_formats::Checkpoint;
+
+/// The GPU, or `None` (saying why) where there is none.
+fn gpu() -> Option<Cuda> {
+    if let Some(why) = sluice_cuda::probe() {
+        eprintln!("skipping the GPU tests: {why}");
+        return None;
+    }
+    Some(Cuda::open(0).expect("a GPU that the driver sees opens"))
+}
+
+/// Each format's product for 1, 5 and 9 input rows, and its embedding, against
+/// float64 sums over `sluice_core::quant::dequantize_row`.
+#[test]
+fn every_format_against_dequantized_f64() {
+    let Some(be) = gpu() else { return };
+    let mut rng = Rng(11);
+    for dtype in DType::ALL {
+        for (rows, cols) in [(67, 256), (300, 1536), (5, 4096)] {
+            let bytes = random_matrix(dtype, rows, cols, &mut rng);
+            let m = MatRef::new(dtype, rows, cols, &bytes).unwrap();
+            let w: Vec<Vec<f32>> = (0..rows)
+                .map(|r| {
+                    let mut o = vec![0f32; cols];
+                    sluice_core::quant::dequantize_row(dtype, m.row(r), &mut o);
+                    o
+                })
+                .collect();
+            let dm = be.upload_mat(m).unwrap();
+            for n in [1, 5, 9] {
+                let x = random_input(n, cols, &mut rng);
+                let xa = be.act_from_host(n, cols, &x).unwrap();
+                let y = be.to_host(&be.matmul(&xa, &dm).unwrap()).unwrap();
+                for i in 0..n {
+                    let xr = &x[i * cols..(i + 1) * cols];
+                    for (o, wr) in w.iter().enumerate() {
+                        let want: f64 = wr.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        let mag: f64 = wr.iter().zip(xr).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                        let got = y[i * rows + o] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-5 * mag + 1e-30,
+                            "{dtype} {rows}x{cols}, n {n}, row {i} out {o}: {got} vs {want} (scale {mag})"
+                        );
+                    }
+                }
+            }
+            let tokens: Vec<u32> = (0..rows as u32).rev().step_by(3).collect();
+            let e = be.to_host(&be.embed(&dm, &tokens, 0.5).unwrap()).unwrap();
+            for (i, &t) in tokens.iter().enumerate() {
+                for (c, &want) in w[t as usize].iter().enumerate() {
+                    let (got, want) = (e[i * cols + c], want * 0.5);
+                    assert!(
+                        (got - want).abs() <= 1e-6 * want.abs().max(1e-3),
+                        "{dtype} embed {t}/{c}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+        eprintln!("{dtype}: products and embedding match");
+    }
+    // A token outside the table is an error, not a read past it.
+    let bytes = random_matrix(DType::Q8_0, 4, 64, &mut rng);
+    let dm = be.upload_mat(MatRef::new(DType::Q8_0, 4, 64, &bytes).unwrap()).unwrap();
+    assert!(be.embed(&dm, &[4], 1.0).is_err());
+}
+
+/// The fixtures of the repository this test was built in, or of `SLUICE_REPO` (the
+/// GPU machine runs a test binary built elsewhere, in its own copy of the tree).
+fn fixtures() -> PathBuf {
+    let repo = std::env::var_os("SLUICE_REPO")
+        .map_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."), PathBuf::from);
+    repo.join("fixtures/tiny")
+}
+
+/// The tokens and `transformers`' logits of a fixture.
+fn reference(dir: &Path) -> (Vec<u32>, Vec<f32>) {
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let tokens = meta["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let bytes = std::fs::read(dir.join(meta["logits"].as_str().unwrap())).unwrap();
+    (tokens, bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
+}
+
+/// max |a - b| / max |b|
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let max_ref = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / max_ref
+}
+
+/// Every fixture family (MoE, PLE and KV sharing, sliding windows, fused experts)
+/// on the GPU: prefill and token-by-token decode within 1e-3 x max |ref| of
+/// transformers; four sequences of different lengths in one step, and prompt chunks
+/// beside decode rows, bitwise what each gives alone.
+#[test]
+fn fixtures_against_transformers() {
+    let Some(be) = gpu() else { return };
+    // One backend for all of them, as a server holding several models would: its VRAM
+    // tier keeps each model's experts apart.
+    for name in ["llama", "qwen3", "qwen3-moe", "qwen3-moe-fused", "gemma3", "gemma4-dense", "gemma4-moe"] {
+        let dir = fixtures().join(name);
+        let (tokens, want) = reference(&dir);
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let model = Model::load(be.clone(), &ckpt).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut s = model.session().unwrap();
+        let prefill = s.forward(&tokens, Logits::All).unwrap();
+        let e1 = rel_err(&prefill, &want);
+        let mut s = model.session().unwrap();
+        let decode: Vec<f32> = tokens.iter().flat_map(|&t| s.forward(&[t], Logits::All).unwrap()).collect();
+        let e2 = rel_err(&decode, &want);
+        eprintln!("{name}: prefill {e1:.2e}, decode {e2:.2e}");
+        assert!(e1 <= 1e-3 && e2 <= 1e-3, "{name}: prefill {e1:e}, decode {e2:e} against transformers");
+
+        // Sequences of 16, 7, 1 and 12 tokens: chunks of 9/1/6, 7, 1 and 3/1/1/7.
+        let mut rev = tokens[4..].to_vec();
+        rev.reverse();
+        let seqs = [tokens.clone(), tokens[3..10].to_vec(), tokens[5..6].to_vec(), rev];
+        let sched: [&[usize]; 4] = [&[9, 1, 6], &[0, 7], &[0, 0, 1], &[3, 1, 1, 7]];
+        let alone: Vec<Vec<f32>> = seqs
+            .iter()
+            .zip(sched)
+            .map(|(seq, lens)| {
+                let mut s = model.session().unwrap();
+                let mut at = 0;
+                let mut out = Vec::new();
+                for &n in lens.iter().filter(|&&n| n > 0) {
+                    out.extend(s.forward(&seq[at..at + n], Logits::All).unwrap());
+                    at += n;
+                }
+                out
+            })
+            .collect();
+        let mut states: Vec<_> = seqs.iter().map(|_| model.new_state().unwrap()).collect();
+        let mut at = [0usize; 4];
+        let mut got = vec![Vec::new(); 4];
+        for step in 0..4 {
+            let mut chunks = Vec::new();
+            let mut who = Vec::new();
+            for (i, state) in states.iter_mut().enumerate() {
+                let n = sched[i].get(step).copied().unwrap_or(0);
+                if n > 0 {
+                    chunks.push(Chunk { state, tokens: &seqs[i][at[i]..at[i] + n], logits: Logits::All });
+                    who.push(i);
+                    at[i] += n;
+                }
+            }
+            for (i, r) in who.into_iter().zip(model.step(&mut chunks, &mut StepStats::default())) {
+                got[i].extend(r.unwrap());
+            }
+        }
+        for i in 0..4 {
+            assert!(got[i] == alone[i], "{name}: sequence {i} in a batch differs from its run alone");
+        }
+    }
+}
+
+/// The VRAM expert tier changes where experts come from, never the logits: the MoE
+/// fixtures with no tier (every expert copied at every use), a tier of a quarter of
+/// the experts (evicting) and an unbounded one give bitwise the same.
+#[test]
+fn vram_tier_sizes_agree_bitwise() {
+    let Some(be) = gpu() else { return };
+    for name in ["qwen3-moe", "gemma4-moe"] {
+        let dir = fixtures().join(name);
+        let (tokens, _) = reference(&dir);
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let run = |be: Cuda| {
+            let model = Model::load(be, &ckpt).unwrap();
+            let mut s = model.session().unwrap();
+            let mut out = s.forward(&tokens[..9], Logits::All).unwrap();
+            for &t in &tokens[9..] {
+                out.extend(s.forward(&[t], Logits::All).unwrap());
+            }
+            out
+        };
+        let unbounded = run(be.with_expert_budget(usize::MAX));
+        let none = run(be.with_expert_budget(0));
+        let moe: Vec<_> =
+            ckpt.spec.layers.iter().enumerate().filter_map(|(l, s)| s.moe.as_ref().map(|m| (l, m))).collect();
+        let expert = ckpt.experts(moe[0].0, moe[0].1, ckpt.spec.hidden_size).unwrap()[0].bytes();
+        let all: usize = moe.iter().map(|(_, m)| m.n_experts).sum();
+        let small = be.with_expert_budget(all / 4 * expert);
+        let quarter = run(small.clone());
+        assert!(none == unbounded, "{name}: no VRAM tier differs from an unbounded one");
+        assert!(quarter == unbounded, "{name}: a VRAM tier of a quarter of the experts differs from an unbounded one");
+        let t = small.expert_traffic();
+        eprintln!("{name}, a quarter of the experts in VRAM: {t:?}");
+        assert!(t.vram_hits > 0 && t.evictions > 0, "{name}: the tier was neither hit nor full: {t:?}");
+    }
+}

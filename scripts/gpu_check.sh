@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, with the binaries built here
+# in devbin/ (see scripts/device-notes.md): the CUDA backend's tests, then speed.
+#
+#   devbin/gpu-tests   cargo test -p sluice-cuda --no-run's test binary, stripped
+#   devbin/sluice      the release CLI, stripped (optional: the speed part)
+set -uo pipefail
+export SLUICE_REPO="$PWD"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+# NVRTC comes with the CUDA toolkit or with the nvidia-cuda-nvrtc Python package.
+for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null)/nvidia/cu13/lib; do
+    [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+status=0
+if [ -x devbin/gpu-tests ]; then
+    echo "== tests"
+    devbin/gpu-tests --test-threads 1 --nocapture 2>&1 || status=1
+fi
+if [ -x devbin/sluice ] && [ -n "${GPU_BENCH:-}" ]; then
+    echo "== speed"
+    bash -c "$GPU_BENCH" || status=1
+fi
+exit $status
