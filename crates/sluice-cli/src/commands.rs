@@ -168,7 +168,10 @@ macro_rules! with_backend {
                 $body
             }
             BackendArg::Cuda => {
-                let be = sluice_cuda::Cuda::open(0)?;
+                let mut be = sluice_cuda::Cuda::open(0)?;
+                if let Some(m) = &$e.gpu_memory {
+                    be = be.with_memory_limit(parse_size("--gpu-memory", m, "not a size (24GiB)")? as usize)?;
+                }
                 let (free, total) = be.memory()?;
                 eprintln!(
                     "GPU: {}, {} free of {}",
@@ -199,11 +202,15 @@ macro_rules! with_backend {
 
 /// `--backend`, with `auto` resolved: CUDA where a GPU can be used, else the CPU.
 fn choose_backend(e: &EngineArgs) -> Result<BackendArg> {
-    Ok(match e.backend {
+    let b = match e.backend {
         BackendArg::Auto if sluice_cuda::probe().is_none() => BackendArg::Cuda,
         BackendArg::Auto => BackendArg::Cpu,
         b => b,
-    })
+    };
+    if b == BackendArg::Cpu && e.gpu_memory.is_some() {
+        return Err(Error::Usage("--gpu-memory goes with --backend cuda (or auto on a machine with a GPU)".into()));
+    }
+    Ok(b)
 }
 
 fn load_model<B: Backend>(be: B, e: &EngineArgs) -> Result<Loaded<B>> {
@@ -247,16 +254,18 @@ fn load_model<B: Backend>(be: B, e: &EngineArgs) -> Result<Loaded<B>> {
 
 /// `4GiB`, `512MiB`, `1.5G`, `2GB` as bytes; a bare number as slots per layer.
 fn parse_cache(s: &str) -> Result<CacheBudget> {
-    let t = s.trim();
-    if let Ok(n) = t.parse::<usize>() {
+    if let Ok(n) = s.trim().parse::<usize>() {
         return Ok(CacheBudget::SlotsPerLayer(n));
     }
+    parse_size("--expert-cache", s, "neither a size (4GiB) nor a slot count (16)").map(CacheBudget::Bytes)
+}
+
+/// `4GiB`, `512MiB`, `1.5G`, `2GB` as bytes, for `flag`; `what` says what else it is not.
+fn parse_size(flag: &str, s: &str, what: &str) -> Result<u64> {
+    let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let value: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| Error::Usage(format!("--expert-cache: '{s}' is neither a size (4GiB) nor a slot count (16)")))?;
+    let value: f64 = num.trim().parse().map_err(|_| Error::Usage(format!("{flag}: '{s}' is {what}")))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "b" => 1.0,
         "k" | "kib" => 1024.0,
@@ -267,12 +276,12 @@ fn parse_cache(s: &str) -> Result<CacheBudget> {
         "gb" => 1e9,
         "t" | "tib" => 1024f64.powi(4),
         "tb" => 1e12,
-        other => return Err(Error::Usage(format!("--expert-cache: unknown unit '{other}' (use KiB, MiB, GiB)"))),
+        other => return Err(Error::Usage(format!("{flag}: unknown unit '{other}' (use KiB, MiB, GiB)"))),
     };
     if value <= 0.0 || !value.is_finite() {
-        return Err(Error::Usage(format!("--expert-cache: '{s}' must be positive")));
+        return Err(Error::Usage(format!("{flag}: '{s}' must be positive")));
     }
-    Ok(CacheBudget::Bytes((value * mult) as u64))
+    Ok((value * mult) as u64)
 }
 
 /// The placement the flags ask for, with `auto` left to the planner.

@@ -63,6 +63,10 @@ pub struct EngineArgs {
     /// they are used), or auto (cuda when a GPU and CUDA's libraries are there)
     #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
     pub backend: BackendArg,
+    /// With --backend cuda: the most device memory sluice takes (24GiB): resident
+    /// weights first, then the VRAM expert tier (default: all but 4 GiB of what is free)
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_memory: Option<String>,
     /// Expert cache for streamed residency: bytes with a unit (4GiB, 512MiB) or a number
     /// of slots per MoE layer (16)
     #[arg(long, value_name = "SIZE")]

@@ -120,19 +120,36 @@ pub struct Cuda {
     tier: Arc<Mutex<VramTier>>,
     /// Most bytes of experts the VRAM tier may hold (`None`: as free memory allows).
     tier_budget: Option<usize>,
+    /// Most device bytes this process may take, and the device's use when it opened.
+    limit: Option<(usize, usize)>,
 }
 
 impl Cuda {
     /// GPU `ordinal`: starts a context and compiles the kernels (a fraction of a
     /// second), or says why CUDA cannot be used here.
     pub fn open(ordinal: usize) -> Result<Cuda> {
-        Ok(Cuda { dev: Arc::new(Device::open(ordinal)?), tier: Arc::default(), tier_budget: None })
+        Ok(Cuda { dev: Arc::new(Device::open(ordinal)?), tier: Arc::default(), tier_budget: None, limit: None })
+    }
+
+    /// The same GPU, taking at most `bytes` of its memory: resident weights must fit
+    /// (an error names the tensor that does not), and the VRAM tier stays within what
+    /// they leave.
+    pub fn with_memory_limit(self, bytes: usize) -> Result<Cuda> {
+        let (free, total) = self.dev.memory()?;
+        Ok(Cuda { limit: Some((bytes, total - free)), ..self })
+    }
+
+    /// Device bytes this process has taken since it opened the GPU, and its limit.
+    fn taken(&self) -> Result<Option<(usize, usize)>> {
+        let Some((limit, at_open)) = self.limit else { return Ok(None) };
+        let (free, total) = self.dev.memory()?;
+        Ok(Some(((total - free).saturating_sub(at_open), limit)))
     }
 
     /// The same GPU with a VRAM expert tier of its own, bounded to `bytes` (0: no
     /// tier, every expert copied from the host at each use).
     pub fn with_expert_budget(&self, bytes: usize) -> Cuda {
-        Cuda { dev: self.dev.clone(), tier: Arc::default(), tier_budget: Some(bytes) }
+        Cuda { dev: self.dev.clone(), tier: Arc::default(), tier_budget: Some(bytes), limit: self.limit }
     }
 
     /// What the expert tiers did so far.
@@ -146,18 +163,25 @@ impl Cuda {
     fn keep(&self, key: TierKey, x: Arc<DevExpert>) -> Result<()> {
         let need = x.bytes();
         let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
-        let fits = |t: &VramTier, free: usize| match self.tier_budget {
-            Some(b) => t.bytes + need <= b,
-            None => free >= need + VRAM_HEADROOM,
+        let taken = self.taken()?;
+        let fits = |t: &VramTier, free: usize, gone: usize| {
+            let under_limit = taken.is_none_or(|(used, limit)| used.saturating_sub(gone) + need <= limit);
+            under_limit
+                && match self.tier_budget {
+                    Some(b) => t.bytes + need <= b,
+                    None => free >= need + VRAM_HEADROOM,
+                }
         };
         let mut free = self.dev.memory()?.0;
-        while !fits(&t, free) {
+        let mut gone_bytes = 0;
+        while !fits(&t, free, gone_bytes) {
             let Some((&old, _)) = t.map.iter().min_by_key(|(_, (_, used))| *used) else { return Ok(()) };
             let (gone, _) = t.map.remove(&old).expect("just found");
             t.bytes -= gone.bytes();
             t.stats.evictions += 1;
             // Freed when the last step using it lets go; count it as free now.
             free += gone.bytes();
+            gone_bytes += gone.bytes();
         }
         t.tick += 1;
         let tick = t.tick;
@@ -209,7 +233,7 @@ impl Cuda {
         if x.rows == 0 {
             return Ok(y);
         }
-        let cfg = grid((w.rows.div_ceil(4) as u32, x.rows.div_ceil(8) as u32), 128, 0);
+        let cfg = grid((w.rows.div_ceil(4) as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
         let name = format!("mm_{}", format_suffix(w.dtype));
         launch!(&self.dev, &name, cfg;
             w.ptr, w.row_bytes as i64, w.rows as i32, w.cols as i32, self.p(&x.buf), x.rows as i32, self.p(&y.buf))?;
@@ -242,63 +266,109 @@ impl Cuda {
         Ok(())
     }
 
-    /// Expert `e` on rows `idx.rows[span]` of `x`, its outputs written to rows
-    /// `idx.slots[span]` of `per_slot`.
-    #[allow(clippy::too_many_arguments)]
-    fn expert_rows(
+    /// The routed experts `exs` of a layer on the rows of `x` that chose them (`ids`,
+    /// `k` per row), each output written to its (row, slot) row of `per_slot`: three
+    /// grouped products, one launch each for every expert.
+    fn grouped_experts(
         &self,
         x: &DevAct,
-        e: usize,
-        ex: &DevExpert,
-        span: Span,
-        idx: &Indices,
+        k: usize,
+        ids: &[u32],
+        exs: &[(usize, Arc<DevExpert>)],
         ffn: &ExpertFfn<Self>,
         per_slot: &DevAct,
     ) -> Result<()> {
-        if span.len == 0 {
+        let Some((_, first)) = exs.first() else { return Ok(()) };
+        let same = |a: &DevMat, b: &DevMat| a.dtype == b.dtype && a.rows == b.rows && a.cols == b.cols;
+        if exs
+            .iter()
+            .any(|(_, e)| !same(&e.gate, &first.gate) || !same(&e.up, &first.up) || !same(&e.down, &first.down))
+        {
+            return Err(Error::Unsupported(
+                "cuda: the experts of a layer are stored in different formats or shapes".into(),
+            ));
+        }
+        // The compact rows: expert after expert, each (row, slot) routed to it; work
+        // items of at most eight rows of one expert.
+        let (mut rows, mut slots, mut expert_of, mut work) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, (e, _)) in exs.iter().enumerate() {
+            let start = slots.len();
+            for (s, &id) in ids.iter().enumerate() {
+                if id as usize == *e {
+                    slots.push(s as u32);
+                    rows.push((s / k) as u32);
+                    expert_of.push(*e as u32);
+                }
+            }
+            for from in (start..slots.len()).step_by(MM_ROWS) {
+                work.push(Work {
+                    expert: i as i32,
+                    start: from as i32,
+                    n: (slots.len() - from).min(MM_ROWS) as i32,
+                    pad: 0,
+                });
+            }
+        }
+        let j = slots.len();
+        if j == 0 {
             return Ok(());
         }
-        let at = |b: &CudaSlice<u32>| self.p(b) + 4 * span.from as u64;
-        let xe = self.act(span.len, x.cols)?;
-        let n = xe.len();
-        launch!(&self.dev, "gather_rows", elementwise(n);
-            self.p(&x.buf), at(&idx.rows), x.cols as i32, self.p(&xe.buf), n as i64)?;
-        let mut g = self.product(&xe, self.desc(&ex.gate))?;
-        let mut u = self.product(&xe, self.desc(&ex.up))?;
+        let table = |m: fn(&DevExpert) -> &DevMat| -> Vec<u64> { exs.iter().map(|(_, e)| self.p(&m(e).buf)).collect() };
+        let (gate_w, up_w, down_w) = (
+            self.dev.upload(&table(|e| &e.gate))?,
+            self.dev.upload(&table(|e| &e.up))?,
+            self.dev.upload(&table(|e| &e.down))?,
+        );
+        let (rows, slots, work_d) = (self.dev.upload(&rows)?, self.dev.upload(&slots)?, self.dev.upload(&work)?);
+        let grouped = |ws: &CudaSlice<u64>, m: &DevMat, input: &DevAct, xrow: u64, y: &DevAct| -> Result<()> {
+            let cfg = grid((m.rows.div_ceil(4) as u32, work.len() as u32), 128, 0);
+            let name = format!("mmg_{}", format_suffix(m.dtype));
+            launch!(&self.dev, &name, cfg;
+                self.p(ws), m.row_bytes as i64, m.rows as i32, m.cols as i32, self.p(&input.buf), xrow,
+                self.p(&work_d), self.p(&y.buf), 0u64)
+        };
+        let (inter, hidden) = (first.gate.rows, first.down.rows);
+        let (mut g, mut u, mut d) = (self.act(j, inter)?, self.act(j, inter)?, self.act(j, hidden)?);
+        grouped(&gate_w, &first.gate, x, self.p(&rows), &g)?;
+        grouped(&up_w, &first.up, x, self.p(&rows), &u)?;
+        let ex_of = if ffn.bias.is_some() { Some(self.dev.upload(&expert_of)?) } else { None };
+        let bias = |a: &mut DevAct, b: &DevVector| -> Result<()> {
+            let n = a.len();
+            let ex = ex_of.as_ref().expect("uploaded with the biases");
+            launch!(&self.dev, "add_expert_bias", elementwise(n);
+                self.p(&a.buf), self.p(&b.dev), self.p(ex), a.cols as i32, n as i64)
+        };
         if let Some(b) = &ffn.bias {
-            self.add_bias_row(&mut g, &b.gate, e)?;
-            self.add_bias_row(&mut u, &b.up, e)?;
+            bias(&mut g, &b.gate)?;
+            bias(&mut u, &b.up)?;
         }
         self.glu(&mut g, &u, ffn.glu)?;
-        let mut d = self.product(&g, self.desc(&ex.down))?;
+        grouped(&down_w, &first.down, &g, 0, &d)?;
         if let Some(b) = &ffn.bias {
-            self.add_bias_row(&mut d, &b.down, e)?;
+            bias(&mut d, &b.down)?;
         }
         let n = d.len();
         launch!(&self.dev, "scatter_rows", elementwise(n);
-            self.p(&d.buf), at(&idx.slots), d.cols as i32, self.p(&per_slot.buf), n as i64)
-    }
-
-    /// Adds `bias[e * cols..]` to every row of `x`.
-    fn add_bias_row(&self, x: &mut DevAct, bias: &DevVector, e: usize) -> Result<()> {
-        let n = x.len();
-        let at = self.p(&bias.dev) + (e * x.cols * 4) as u64;
-        launch!(&self.dev, "add_row", elementwise(n); self.p(&x.buf), at, x.cols as i32, n as i64)
+            self.p(&d.buf), self.p(&slots), hidden as i32, self.p(&per_slot.buf), n as i64)
     }
 }
 
-/// An expert's share of a layer's [`Indices`].
+/// Input rows per pass of a product over the weights (`MM_ROWS` in kernels.cu).
+const MM_ROWS: usize = 8;
+
+/// A grouped product's unit of work, as `Work` in kernels.cu: compact rows
+/// `start..start + n` of the layer's expert number `expert`.
+#[repr(C)]
 #[derive(Clone, Copy)]
-struct Span {
-    from: usize,
-    len: usize,
+struct Work {
+    expert: i32,
+    start: i32,
+    n: i32,
+    pad: i32,
 }
 
-/// A layer's routed (row, slot) pairs on the device, expert after expert.
-struct Indices {
-    rows: CudaSlice<u32>,
-    slots: CudaSlice<u32>,
-}
+// SAFETY: plain integers, laid out as the kernel's struct.
+unsafe impl cudarc::driver::DeviceRepr for Work {}
 
 /// What a product needs of a weight matrix on the device.
 #[derive(Clone, Copy)]
@@ -350,6 +420,18 @@ impl Backend for Cuda {
 
     fn mat(&self, t: &TensorView) -> Result<DevMat> {
         let m = t.mat();
+        if let Some((used, limit)) = self.taken()?
+            && used + m.data.len() > limit
+        {
+            return Err(Error::Device(format!(
+                "cuda: the resident weights do not fit in --gpu-memory {:.2} GiB: {:.2} GiB taken before tensor {} \
+                 ({:.1} MiB)",
+                limit as f64 / (1u64 << 30) as f64,
+                used as f64 / (1u64 << 30) as f64,
+                t.name,
+                m.data.len() as f64 / (1u64 << 20) as f64
+            )));
+        }
         self.upload_mat(m).map_err(|e| match e {
             Error::Device(msg) => Error::Device(format!("{msg} (tensor {})", t.name)),
             e => e,
@@ -629,29 +711,11 @@ impl Backend for Cuda {
         let k = routing.top_k.max(1);
         let slots_total = routing.ids.len();
         // Each (row, slot)'s expert output, then their weighted sum in router order.
-        let per_slot = self.zeros(slots_total, x.cols)?;
-        // Every expert's (row, slot) pairs in the order they are computed, uploaded
-        // once for the layer: the rows to gather and the slots to write.
-        let lease_order = experts.lease.as_ref().map(|l| l.order()).unwrap_or_default();
-        let order = experts.held.iter().map(|(e, _)| *e).chain(lease_order.iter().copied());
-        let (mut rows, mut slots, mut spans) = (Vec::new(), Vec::new(), HashMap::new());
-        for e in order {
-            let from = slots.len();
-            for (s, &id) in routing.ids.iter().enumerate() {
-                if id as usize == e {
-                    slots.push(s as u32);
-                    rows.push((s / k) as u32);
-                }
-            }
-            spans.insert(e, Span { from, len: slots.len() - from });
-        }
-        let idx = Indices { rows: self.dev.upload(&rows)?, slots: self.dev.upload(&slots)? };
-        for (e, ex) in &experts.held {
-            self.expert_rows(x, *e, ex, spans[e], &idx, ffn, &per_slot)?;
-        }
+        // Every expert on the device: those the tier holds, then the others as the
+        // store delivers them, each copied over and kept.
+        let mut exs: Vec<(usize, Arc<DevExpert>)> = experts.held.clone();
         if let Some(lease) = &experts.lease {
-            // Each expert as its bytes arrive (the store reads the others meanwhile).
-            for &e in &lease_order {
+            for e in lease.order() {
                 let taken = lease.take(e)?;
                 let m = taken.mats();
                 let ex = Arc::new(DevExpert {
@@ -665,10 +729,12 @@ impl Backend for Cuda {
                     t.stats.host_fills += 1;
                     t.stats.fill_bytes += ex.bytes() as u64;
                 }
-                self.expert_rows(x, e, &ex, spans[&e], &idx, ffn, &per_slot)?;
-                self.keep((experts.key.0, experts.key.1, e), ex)?;
+                self.keep((experts.key.0, experts.key.1, e), ex.clone())?;
+                exs.push((e, ex));
             }
         }
+        let per_slot = self.zeros(slots_total, x.cols)?;
+        self.grouped_experts(x, k, &routing.ids, &exs, ffn, &per_slot)?;
         let out = self.act(x.rows, x.cols)?;
         let n = out.len();
         if n > 0 {

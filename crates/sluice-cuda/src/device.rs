@@ -202,7 +202,7 @@ pub(crate) fn format_suffix(d: sluice_core::DType) -> &'static str {
 fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = sluice_core::DType::ALL
         .iter()
-        .flat_map(|&d| [format!("mm_{}", format_suffix(d)), format!("embed_{}", format_suffix(d))])
+        .flat_map(|&d| ["mm", "mmg", "embed"].map(|k| format!("{k}_{}", format_suffix(d))))
         .collect();
     for n in [
         "add",
@@ -217,6 +217,7 @@ fn kernel_names() -> Vec<String> {
         "scatter_rows",
         "columns",
         "combine",
+        "add_expert_bias",
         "rms_norm",
         "rope",
         "kv_write",

@@ -146,17 +146,12 @@ __device__ __forceinline__ void deq32(const u8* row, int p, int cols, float* v) 
 #define MM_WARPS 4
 #define MM_ROWS 8
 
-// y[r, o] = x[r, :] · W[o, :] for r < n, o < out. Grid (ceil(out / MM_WARPS),
-// ceil(n / MM_ROWS)), block 32 * MM_WARPS. Each warp reads its weight row once per
-// MM_ROWS input rows, a lane per piece.
-template <int F>
-__device__ void mm(const u8* w, long long row_bytes, int out, int cols, const float* x, int n, float* y) {
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int o = blockIdx.x * MM_WARPS + warp;
-    if (o >= out) return;
-    int r0 = blockIdx.y * MM_ROWS;
-    int nr = min(MM_ROWS, n - r0);
-    const u8* row = w + (long long)o * row_bytes;
+// The shared body of the products: one warp computes output `o` of up to MM_ROWS
+// input rows against weight row `row`, a lane per piece. `X` gives input row r's
+// address, `Y` stores its result.
+template <int F, class X, class Y>
+__device__ __forceinline__ void mm_warp(const u8* row, int cols, int nr, X xrow, Y store) {
+    int lane = threadIdx.x & 31;
     float acc[MM_ROWS];
 #pragma unroll
     for (int r = 0; r < MM_ROWS; r++) acc[r] = 0.0f;
@@ -169,7 +164,7 @@ __device__ void mm(const u8* w, long long row_bytes, int out, int cols, const fl
 #pragma unroll
         for (int r = 0; r < MM_ROWS; r++) {
             if (r < nr) {
-                const float* xr = x + (long long)(r0 + r) * cols + c0;
+                const float* xr = xrow(r) + c0;
                 float s = 0.0f;
                 if (m == 32) {
 #pragma unroll
@@ -188,8 +183,77 @@ __device__ void mm(const u8* w, long long row_bytes, int out, int cols, const fl
     for (int r = 0; r < MM_ROWS; r++) {
         float s = acc[r];
         for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffff, s, off);
-        if (lane == 0 && r < nr) y[(long long)(r0 + r) * out + o] = s;
+        if (lane == 0 && r < nr) store(r, s);
     }
+}
+
+struct DenseX {
+    const float* x;
+    int cols;
+    int r0;
+    __device__ const float* operator()(int r) const { return x + (long long)(r0 + r) * cols; }
+};
+struct DenseY {
+    float* y;
+    int out;
+    int o;
+    int r0;
+    __device__ void operator()(int r, float s) const { y[(long long)(r0 + r) * out + o] = s; }
+};
+
+// y[r, o] = x[r, :] · W[o, :] for r < n, o < out. Grid (ceil(out / MM_WARPS),
+// ceil(n / MM_ROWS)), block 32 * MM_WARPS. Each warp reads its weight row once per
+// MM_ROWS input rows.
+template <int F>
+__device__ void mm(const u8* w, long long row_bytes, int out, int cols, const float* x, int n, float* y) {
+    int o = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
+    if (o >= out) return;
+    int r0 = blockIdx.y * MM_ROWS;
+    mm_warp<F>(w + (long long)o * row_bytes, cols, min(MM_ROWS, n - r0), DenseX{x, cols, r0}, DenseY{y, out, o, r0});
+}
+
+// A grouped product's unit of work: compact rows start..start + n (n <= MM_ROWS) of
+// expert `expert` (an index into the layer's table of weight addresses).
+struct Work {
+    int expert;
+    int start;
+    int n;
+    int pad;
+};
+
+struct GatherX {
+    const float* x;
+    const u32* rows;
+    int cols;
+    int start;
+    __device__ const float* operator()(int r) const {
+        long long i = rows ? rows[start + r] : start + r;
+        return x + i * cols;
+    }
+};
+struct ScatterY {
+    float* y;
+    const u32* rows;
+    int out;
+    int o;
+    int start;
+    __device__ void operator()(int r, float s) const {
+        long long i = rows ? rows[start + r] : start + r;
+        y[i * out + o] = s;
+    }
+};
+
+// Every routed expert of a layer in one launch: for each work item, y[yrow[j]] =
+// W_e · x[xrow[j]] over its compact rows j (an index array may be null: j itself).
+// Grid (ceil(out / MM_WARPS), items).
+template <int F>
+__device__ void mm_grouped(const unsigned long long* ws, long long row_bytes, int out, int cols, const float* x,
+                           const u32* xrow, const Work* work, float* y, const u32* yrow) {
+    int o = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
+    if (o >= out) return;
+    Work it = work[blockIdx.y];
+    const u8* row = (const u8*)ws[it.expert] + (long long)o * row_bytes;
+    mm_warp<F>(row, cols, it.n, GatherX{x, xrow, cols, it.start}, ScatterY{y, yrow, out, o, it.start});
 }
 
 // out[i, :] = W[tokens[i], :] * scale. Grid (n, ceil(pieces / 128)), block 128.
@@ -206,6 +270,11 @@ __device__ void embed(const u8* w, long long row_bytes, int cols, const u32* tok
 }
 
 #define FORMAT_KERNELS(F, name)                                                                         \
+    extern "C" __global__ void mmg_##name(const unsigned long long* ws, long long row_bytes, int out, int cols, \
+                                          const float* x, const u32* xrow, const Work* work, float* y,        \
+                                          const u32* yrow) {                                                  \
+        mm_grouped<F>(ws, row_bytes, out, cols, x, xrow, work, y, yrow);                                      \
+    }                                                                                                         \
     extern "C" __global__ void mm_##name(const u8* w, long long row_bytes, int out, int cols,           \
                                          const float* x, int n, float* y) {                             \
         mm<F>(w, row_bytes, out, cols, x, n, y);                                                        \
@@ -265,6 +334,10 @@ extern "C" __global__ void gather_rows(const float* x, const u32* idx, int cols,
 // out[idx[r], :] = x[r, :].
 extern "C" __global__ void scatter_rows(const float* x, const u32* idx, int cols, float* out, long long n) {
     EACH(n) out[(long long)idx[i / cols] * cols + i % cols] = x[i];
+}
+// x[j, :] += bias[ex[j] * cols ..] for each compact row j (per-expert biases).
+extern "C" __global__ void add_expert_bias(float* x, const float* bias, const u32* ex, int cols, long long n) {
+    EACH(n) x[i] += bias[(long long)ex[i / cols] * cols + i % cols];
 }
 // out[r, c] = x[r, start + c] for c < len.
 extern "C" __global__ void columns(const float* x, int cols, int start, int len, float* out, long long n) {
