@@ -183,9 +183,12 @@ macro_rules! with_backend {
                 let $loaded = load_model(be, $e)?;
                 let done = $body;
                 let t = gpu.expert_traffic();
-                if t.vram_hits + t.host_fills > 0 {
+                if t.vram_hits + t.host_fills + t.whole_layers > 0 {
                     eprintln!(
-                        "GPU experts: {} from VRAM, {} copied from the host ({}), {} evicted, {} held",
+                        "GPU experts: {} copied at load, {} layer steps wholly in VRAM, {} more from VRAM, {} copied \
+                         from the host ({}), {} evicted, {} held",
+                        t.adopted,
+                        t.whole_layers,
                         t.vram_hits,
                         t.host_fills,
                         human_bytes(t.fill_bytes),
@@ -243,7 +246,9 @@ fn load_model<B: Backend>(be: B, e: &EngineArgs) -> Result<Loaded<B>> {
             b.finish_and_clear();
         }
     }
-    let b = if opts.store.residency == Residency::Resident { bar("experts") } else { None };
+    // A resident store reads its experts, and a GPU copies them to its memory when
+    // they all fit there.
+    let b = if opts.store.residency == Residency::Resident || be.name() != "cpu" { bar("experts") } else { None };
     let mut progress = |done: u64, all: u64| show(&b, done, all);
     let model = Model::load_with(be, &ckpt, &opts, Some(&mut progress))?;
     if let Some(b) = b {

@@ -59,8 +59,9 @@ pub struct EngineArgs {
     #[arg(long, value_enum, default_value_t = ResidencyArg::Auto)]
     pub residency: ResidencyArg,
     /// Where the model computes: cpu, cuda (the first NVIDIA GPU: weights, KV cache
-    /// and activations in its memory; routed experts copied from the host store as
-    /// they are used), or auto (cuda when a GPU and CUDA's libraries are there)
+    /// and activations in its memory; routed experts copied there at load when they all
+    /// fit, else kept there from their first use while room lasts), or auto (cuda when
+    /// a GPU and CUDA's libraries are there)
     #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
     pub backend: BackendArg,
     /// With --backend cuda: the most device memory sluice takes (24GiB): resident

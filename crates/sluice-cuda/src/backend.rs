@@ -4,19 +4,19 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
-use sluice_core::{Activation, Error, Glu, Result, RopeSpec, RopeStyle};
+use sluice_core::{Activation, Error, Glu, Result, RopeSpec, RopeStyle, RouterKind};
 use sluice_engine::backend::{AttnOp, Backend, ExpertFfn, Norm, RouterOp};
 use sluice_engine::batch::{Batch, RowPrecision, SeqRows};
 use sluice_experts::{ExpertLease, ExpertStore, FetchMode};
 use sluice_formats::TensorView;
 
-use crate::device::{Device, elementwise, fail, format_suffix, grid, launch};
+use crate::device::{Device, Scratch, elementwise, fail, format_suffix, grid, launch};
 
 /// A row-major `[rows, cols]` f32 matrix in device memory.
 pub struct DevAct {
     pub rows: usize,
     pub cols: usize,
-    buf: CudaSlice<f32>,
+    buf: Scratch<f32>,
 }
 
 impl DevAct {
@@ -52,15 +52,20 @@ pub struct DevKv {
     len: usize,
 }
 
-/// Each row's experts and weights (chosen on the host for now, see the crate docs).
+/// Each row's `top_k` experts and their weights, in device memory; the ids come to
+/// the host only when something there asks for them (the expert store).
 pub struct DevRouting {
     top_k: usize,
-    ids: Vec<u32>,
-    weights: Vec<f32>,
+    n_experts: usize,
+    /// Rows times `top_k`.
+    len: usize,
+    ids: Scratch<u32>,
+    weights: Scratch<f32>,
+    host_ids: Mutex<Option<Vec<u32>>>,
 }
 
 /// One expert's three matrices in device memory.
-struct DevExpert {
+pub struct DevExpert {
     gate: DevMat,
     up: DevMat,
     down: DevMat,
@@ -72,14 +77,35 @@ impl DevExpert {
     }
 }
 
-/// One layer's experts for one step: those the VRAM tier holds, and a lease on the
-/// host store for the others, each copied to the device (and into the tier) when
-/// [`Backend::moe`] reaches it.
-pub struct DevExperts<'s> {
-    /// The store's id and the layer: the tier's key, with the expert.
-    key: (u64, usize),
-    held: Vec<(usize, Arc<DevExpert>)>,
-    lease: Option<ExpertLease<'s>>,
+/// One layer's experts for one step.
+// One lives per MoE layer step, never in a collection: its size does not matter.
+#[allow(clippy::large_enum_variant)]
+pub enum DevExperts<'s> {
+    /// The VRAM tier holds the whole layer: no ids were needed on the host.
+    Whole(Arc<LayerTable>),
+    /// Those the VRAM tier holds, and a lease on the host store for the others, each
+    /// copied to the device (and into the tier) when [`Backend::moe`] reaches it.
+    Some {
+        /// The store's id and the layer: the tier's key, with the expert.
+        key: (u64, usize),
+        held: Vec<(usize, Arc<DevExpert>)>,
+        lease: Option<ExpertLease<'s>>,
+    },
+}
+
+/// Every expert of a layer held in VRAM, and their weights' addresses by expert id,
+/// in device memory, for the grouped products.
+pub struct LayerTable {
+    experts: Vec<Arc<DevExpert>>,
+    tables: ExpertTables,
+}
+
+/// The device addresses of the gate, up and down matrices of a layer's experts,
+/// indexed by expert id (0 for an expert not on the device this step).
+struct ExpertTables {
+    gate: CudaSlice<u64>,
+    up: CudaSlice<u64>,
+    down: CudaSlice<u64>,
 }
 
 /// Experts kept in device memory after their first use, least recently used out
@@ -90,6 +116,33 @@ struct VramTier {
     bytes: usize,
     tick: u64,
     stats: ExpertTraffic,
+    /// Experts held per (store, layer), to see when a layer is whole.
+    held: HashMap<(u64, usize), usize>,
+    /// The address tables of the whole layers (dropped when one of theirs is evicted).
+    whole: HashMap<(u64, usize), Arc<LayerTable>>,
+}
+
+impl VramTier {
+    fn insert(&mut self, key: TierKey, x: Arc<DevExpert>) {
+        self.tick += 1;
+        self.bytes += x.bytes();
+        if self.map.insert(key, (x, self.tick)).is_none() {
+            *self.held.entry((key.0, key.1)).or_default() += 1;
+        }
+    }
+
+    /// Drops the least recently used expert; its bytes, or `None` if none is held.
+    fn evict_oldest(&mut self) -> Option<usize> {
+        let (&old, _) = self.map.iter().min_by_key(|(_, (_, used))| *used)?;
+        let (gone, _) = self.map.remove(&old).expect("just found");
+        self.bytes -= gone.bytes();
+        self.stats.evictions += 1;
+        if let Some(n) = self.held.get_mut(&(old.0, old.1)) {
+            *n -= 1;
+        }
+        self.whole.remove(&(old.0, old.1));
+        Some(gone.bytes())
+    }
 }
 
 /// What the expert tiers of a GPU did since it opened.
@@ -103,6 +156,10 @@ pub struct ExpertTraffic {
     pub fill_bytes: u64,
     /// Experts dropped from VRAM to make room.
     pub evictions: u64,
+    /// Layer steps served from VRAM without the host seeing the routing.
+    pub whole_layers: u64,
+    /// Experts copied to VRAM before their first use, when all of them fit.
+    pub adopted: u64,
     /// Bytes the VRAM tier holds now.
     pub vram_bytes: u64,
 }
@@ -113,6 +170,22 @@ type TierKey = (u64, usize, usize);
 /// Device memory the VRAM tier leaves free for KV caches and activations.
 const VRAM_HEADROOM: usize = 4 << 30;
 
+/// Warps of an attention block, and the largest head it takes (`ATT_WARPS`,
+/// `ATT_DIMS` x 32 in kernels.cu).
+const ATT_WARPS: usize = 4;
+const ATT_MAX_HEAD_DIM: usize = 512;
+
+/// The blocks attention splits a row's `len` positions over, as kernels.cu's
+/// `att_split_len` cuts them: runs of 64, longer once there would be more than 16.
+fn attention_splits(len: usize) -> usize {
+    const MAX_SPLITS: usize = 16;
+    let run = len.div_ceil(MAX_SPLITS).div_ceil(64).max(1) * 64;
+    len.div_ceil(run).max(1)
+}
+
+/// Distinct constants kept on the device before the cache of them starts again.
+const CONSTANTS_KEPT: usize = 1024;
+
 /// The CUDA backend on one GPU. Cloning shares the device and its expert tier.
 #[derive(Clone)]
 pub struct Cuda {
@@ -122,13 +195,21 @@ pub struct Cuda {
     tier_budget: Option<usize>,
     /// Most device bytes this process may take, and the device's use when it opened.
     limit: Option<(usize, usize)>,
+    /// See [`Cuda::constant`].
+    constants: Arc<Mutex<HashMap<Vec<u8>, CudaSlice<u8>>>>,
 }
 
 impl Cuda {
     /// GPU `ordinal`: starts a context and compiles the kernels (a fraction of a
     /// second), or says why CUDA cannot be used here.
     pub fn open(ordinal: usize) -> Result<Cuda> {
-        Ok(Cuda { dev: Arc::new(Device::open(ordinal)?), tier: Arc::default(), tier_budget: None, limit: None })
+        Ok(Cuda {
+            dev: Arc::new(Device::open(ordinal)?),
+            tier: Arc::default(),
+            tier_budget: None,
+            limit: None,
+            constants: Arc::default(),
+        })
     }
 
     /// The same GPU, taking at most `bytes` of its memory: resident weights must fit
@@ -149,7 +230,7 @@ impl Cuda {
     /// The same GPU with a VRAM expert tier of its own, bounded to `bytes` (0: no
     /// tier, every expert copied from the host at each use).
     pub fn with_expert_budget(&self, bytes: usize) -> Cuda {
-        Cuda { dev: self.dev.clone(), tier: Arc::default(), tier_budget: Some(bytes), limit: self.limit }
+        Cuda { tier: Arc::default(), tier_budget: Some(bytes), ..self.clone() }
     }
 
     /// What the expert tiers did so far.
@@ -158,36 +239,110 @@ impl Cuda {
         ExpertTraffic { vram_bytes: t.bytes as u64, ..t.stats }
     }
 
+    /// Bytes of experts the VRAM tier may hold beyond what it holds now, and those
+    /// it could free: within the explicit budget, or free memory less the headroom,
+    /// and under `--gpu-memory`.
+    fn room(&self, t: &VramTier) -> Result<usize> {
+        let (free, total) = self.dev.memory()?;
+        let mut room = match self.tier_budget {
+            Some(b) => b.saturating_sub(t.bytes),
+            None => free.saturating_sub(VRAM_HEADROOM),
+        };
+        if let Some((limit, at_open)) = self.limit {
+            room = room.min(limit.saturating_sub((total - free).saturating_sub(at_open)));
+        }
+        Ok(room)
+    }
+
     /// Keeps `x` as expert `key` in the VRAM tier if it fits, evicting the least
     /// recently used.
     fn keep(&self, key: TierKey, x: Arc<DevExpert>) -> Result<()> {
         let need = x.bytes();
         let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
-        let taken = self.taken()?;
-        let fits = |t: &VramTier, free: usize, gone: usize| {
-            let under_limit = taken.is_none_or(|(used, limit)| used.saturating_sub(gone) + need <= limit);
-            under_limit
-                && match self.tier_budget {
-                    Some(b) => t.bytes + need <= b,
-                    None => free >= need + VRAM_HEADROOM,
-                }
-        };
-        let mut free = self.dev.memory()?.0;
-        let mut gone_bytes = 0;
-        while !fits(&t, free, gone_bytes) {
-            let Some((&old, _)) = t.map.iter().min_by_key(|(_, (_, used))| *used) else { return Ok(()) };
-            let (gone, _) = t.map.remove(&old).expect("just found");
-            t.bytes -= gone.bytes();
-            t.stats.evictions += 1;
-            // Freed when the last step using it lets go; count it as free now.
-            free += gone.bytes();
-            gone_bytes += gone.bytes();
+        // Evicted experts are freed when the last step using them lets go; count
+        // them as free now.
+        let mut room = self.room(&t)?;
+        while room < need {
+            let Some(gone) = t.evict_oldest() else { return Ok(()) };
+            room += gone;
         }
-        t.tick += 1;
-        let tick = t.tick;
-        t.bytes += need;
-        t.map.insert(key, (x, tick));
+        t.insert(key, x);
         Ok(())
+    }
+
+    /// The address tables of `exs` (expert id and matrices) for a layer of
+    /// `n_experts`, checking that they share one format and shape.
+    fn tables(&self, n_experts: usize, exs: &[(usize, &DevExpert)]) -> Result<ExpertTables> {
+        let Some((_, first)) = exs.first() else {
+            return Err(Error::Device("cuda: an expert table of no experts (internal error)".into()));
+        };
+        let same = |a: &DevMat, b: &DevMat| a.dtype == b.dtype && a.rows == b.rows && a.cols == b.cols;
+        if exs
+            .iter()
+            .any(|(_, e)| !same(&e.gate, &first.gate) || !same(&e.up, &first.up) || !same(&e.down, &first.down))
+        {
+            return Err(Error::Unsupported(
+                "cuda: the experts of a layer are stored in different formats or shapes".into(),
+            ));
+        }
+        let table = |m: fn(&DevExpert) -> &DevMat| -> Result<CudaSlice<u64>> {
+            let mut t = vec![0u64; n_experts];
+            for (e, x) in exs {
+                t[*e] = self.p(&m(x).buf);
+            }
+            self.dev.upload(&t)
+        };
+        Ok(ExpertTables { gate: table(|e| &e.gate)?, up: table(|e| &e.up)?, down: table(|e| &e.down)? })
+    }
+
+    /// The whole layer's table if the tier holds all `n_experts` of it.
+    fn whole_layer(&self, key: (u64, usize), n_experts: usize) -> Result<Option<Arc<LayerTable>>> {
+        let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = t.whole.get(&key) {
+            return Ok(Some(w.clone()));
+        }
+        if t.held.get(&key).copied().unwrap_or(0) < n_experts || n_experts == 0 {
+            return Ok(None);
+        }
+        let mut experts = Vec::with_capacity(n_experts);
+        for e in 0..n_experts {
+            let Some((x, _)) = t.map.get(&(key.0, key.1, e)) else { return Ok(None) };
+            experts.push(x.clone());
+        }
+        let refs: Vec<(usize, &DevExpert)> = experts.iter().map(|x| x.as_ref()).enumerate().collect();
+        let tables = self.tables(n_experts, &refs)?;
+        let w = Arc::new(LayerTable { experts, tables });
+        t.whole.insert(key, w.clone());
+        Ok(Some(w))
+    }
+
+    /// Copies a host store's expert to the device.
+    fn upload_expert(&self, m: sluice_experts::ExpertRef<'_>) -> Result<Arc<DevExpert>> {
+        Ok(Arc::new(DevExpert {
+            gate: self.upload_mat(m.gate)?,
+            up: self.upload_mat(m.up)?,
+            down: self.upload_mat(m.down)?,
+        }))
+    }
+
+    /// Host data in device memory that stays as it is (positions, frequencies,
+    /// attention's tables): uploaded once for each distinct content and found again
+    /// for the next layer and step. Its address, valid while the cache holds it (it
+    /// is cleared now and then; freeing is ordered after the kernels that read it).
+    fn constant<T: Copy>(&self, data: &[T]) -> Result<u64> {
+        // SAFETY: plain values (integers, floats and their structs) seen as bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
+        let mut c = self.constants.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = c.get(bytes) {
+            return Ok(self.p(d));
+        }
+        if c.len() >= CONSTANTS_KEPT {
+            c.clear();
+        }
+        let d = self.dev.upload(bytes)?;
+        let p = self.p(&d);
+        c.insert(bytes.to_vec(), d);
+        Ok(p)
     }
 
     /// The GPU's name, as the driver gives it.
@@ -205,7 +360,17 @@ impl Cuda {
         if data.len() != rows * cols {
             return Err(Error::Usage(format!("{} values for a {rows} x {cols} activation", data.len())));
         }
-        Ok(DevAct { rows, cols, buf: self.dev.upload(data)? })
+        Ok(DevAct { rows, cols, buf: self.dev.upload_scratch(data)? })
+    }
+
+    /// A parameter vector from host values (for tests).
+    pub fn vector_from_host(&self, v: &[f32]) -> Result<DevVector> {
+        Ok(DevVector { dev: self.dev.upload(v)?, host: v.to_vec() })
+    }
+
+    /// A routing's weights, `[rows * top_k]`, on the host (for tests).
+    pub fn routing_weights(&self, r: &DevRouting) -> Result<Vec<f32>> {
+        self.dev.download(&r.weights, r.len)
     }
 
     /// Waits for every queued operation.
@@ -214,7 +379,7 @@ impl Cuda {
     }
 
     fn act(&self, rows: usize, cols: usize) -> Result<DevAct> {
-        Ok(DevAct { rows, cols, buf: self.dev.alloc(rows * cols)? })
+        Ok(DevAct { rows, cols, buf: self.dev.scratch(rows * cols)? })
     }
 
     fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
@@ -233,7 +398,7 @@ impl Cuda {
         if x.rows == 0 {
             return Ok(y);
         }
-        let cfg = grid((w.rows.div_ceil(4) as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
+        let cfg = grid((w.rows as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
         let name = format!("mm_{}", format_suffix(w.dtype));
         launch!(&self.dev, &name, cfg;
             w.ptr, w.row_bytes as i64, w.rows as i32, w.cols as i32, self.p(&x.buf), x.rows as i32, self.p(&y.buf))?;
@@ -266,84 +431,54 @@ impl Cuda {
         Ok(())
     }
 
-    /// The routed experts `exs` of a layer on the rows of `x` that chose them (`ids`,
-    /// `k` per row), each output written to its (row, slot) row of `per_slot`: three
-    /// grouped products, one launch each for every expert.
+    /// The routed experts on the rows of `x` that chose them, each (row, slot)'s
+    /// output written to its row of `per_slot`: the device plans the work from the
+    /// routing (no ids on the host), then three grouped products, one launch each
+    /// for every expert of the layer. `shape` is any of the experts (they share one).
     fn grouped_experts(
         &self,
         x: &DevAct,
-        k: usize,
-        ids: &[u32],
-        exs: &[(usize, Arc<DevExpert>)],
+        routing: &DevRouting,
+        tables: &ExpertTables,
+        shape: &DevExpert,
         ffn: &ExpertFfn<Self>,
         per_slot: &DevAct,
     ) -> Result<()> {
-        let Some((_, first)) = exs.first() else { return Ok(()) };
-        let same = |a: &DevMat, b: &DevMat| a.dtype == b.dtype && a.rows == b.rows && a.cols == b.cols;
-        if exs
-            .iter()
-            .any(|(_, e)| !same(&e.gate, &first.gate) || !same(&e.up, &first.up) || !same(&e.down, &first.down))
-        {
-            return Err(Error::Unsupported(
-                "cuda: the experts of a layer are stored in different formats or shapes".into(),
-            ));
-        }
-        // The compact rows: expert after expert, each (row, slot) routed to it; work
-        // items of at most eight rows of one expert.
-        let (mut rows, mut slots, mut expert_of, mut work) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (i, (e, _)) in exs.iter().enumerate() {
-            let start = slots.len();
-            for (s, &id) in ids.iter().enumerate() {
-                if id as usize == *e {
-                    slots.push(s as u32);
-                    rows.push((s / k) as u32);
-                    expert_of.push(*e as u32);
-                }
-            }
-            for from in (start..slots.len()).step_by(MM_ROWS) {
-                work.push(Work {
-                    expert: i as i32,
-                    start: from as i32,
-                    n: (slots.len() - from).min(MM_ROWS) as i32,
-                    pad: 0,
-                });
-            }
-        }
-        let j = slots.len();
+        let (j, k, e) = (routing.len, routing.top_k.max(1), routing.n_experts);
         if j == 0 {
             return Ok(());
         }
-        let table = |m: fn(&DevExpert) -> &DevMat| -> Vec<u64> { exs.iter().map(|(_, e)| self.p(&m(e).buf)).collect() };
-        let (gate_w, up_w, down_w) = (
-            self.dev.upload(&table(|e| &e.gate))?,
-            self.dev.upload(&table(|e| &e.up))?,
-            self.dev.upload(&table(|e| &e.down))?,
-        );
-        let (rows, slots, work_d) = (self.dev.upload(&rows)?, self.dev.upload(&slots)?, self.dev.upload(&work)?);
+        // Work items: at most one part-filled one per expert used, plus the full ones.
+        let n_work = j.div_ceil(MM_ROWS) + e.min(j);
+        let (slots, rows, expert_of) =
+            (self.dev.scratch::<u32>(j)?, self.dev.scratch::<u32>(j)?, self.dev.scratch::<u32>(j)?);
+        // Work items (kernels.cu's `Work`, written by plan_experts) as four words each.
+        let work = self.dev.scratch::<u32>(4 * n_work)?;
+        launch!(&self.dev, "plan_experts", grid((1, 1), 256, (3 * e * 4) as u32);
+            self.p(&routing.ids), j as i32, k as i32, e as i32, self.p(&slots), self.p(&rows), self.p(&expert_of),
+            self.p(&work), n_work as i32)?;
         let grouped = |ws: &CudaSlice<u64>, m: &DevMat, input: &DevAct, xrow: u64, y: &DevAct| -> Result<()> {
-            let cfg = grid((m.rows.div_ceil(4) as u32, work.len() as u32), 128, 0);
+            let cfg = grid((m.rows as u32, n_work as u32), 128, 0);
             let name = format!("mmg_{}", format_suffix(m.dtype));
             launch!(&self.dev, &name, cfg;
                 self.p(ws), m.row_bytes as i64, m.rows as i32, m.cols as i32, self.p(&input.buf), xrow,
-                self.p(&work_d), self.p(&y.buf), 0u64)
+                self.p(&work), self.p(&y.buf), 0u64)
         };
-        let (inter, hidden) = (first.gate.rows, first.down.rows);
+        let (inter, hidden) = (shape.gate.rows, shape.down.rows);
         let (mut g, mut u, mut d) = (self.act(j, inter)?, self.act(j, inter)?, self.act(j, hidden)?);
-        grouped(&gate_w, &first.gate, x, self.p(&rows), &g)?;
-        grouped(&up_w, &first.up, x, self.p(&rows), &u)?;
-        let ex_of = if ffn.bias.is_some() { Some(self.dev.upload(&expert_of)?) } else { None };
+        grouped(&tables.gate, &shape.gate, x, self.p(&rows), &g)?;
+        grouped(&tables.up, &shape.up, x, self.p(&rows), &u)?;
         let bias = |a: &mut DevAct, b: &DevVector| -> Result<()> {
             let n = a.len();
-            let ex = ex_of.as_ref().expect("uploaded with the biases");
             launch!(&self.dev, "add_expert_bias", elementwise(n);
-                self.p(&a.buf), self.p(&b.dev), self.p(ex), a.cols as i32, n as i64)
+                self.p(&a.buf), self.p(&b.dev), self.p(&expert_of), a.cols as i32, n as i64)
         };
         if let Some(b) = &ffn.bias {
             bias(&mut g, &b.gate)?;
             bias(&mut u, &b.up)?;
         }
         self.glu(&mut g, &u, ffn.glu)?;
-        grouped(&down_w, &first.down, &g, 0, &d)?;
+        grouped(&tables.down, &shape.down, &g, 0, &d)?;
         if let Some(b) = &ffn.bias {
             bias(&mut d, &b.down)?;
         }
@@ -355,20 +490,6 @@ impl Cuda {
 
 /// Input rows per pass of a product over the weights (`MM_ROWS` in kernels.cu).
 const MM_ROWS: usize = 8;
-
-/// A grouped product's unit of work, as `Work` in kernels.cu: compact rows
-/// `start..start + n` of the layer's expert number `expert`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Work {
-    expert: i32,
-    start: i32,
-    n: i32,
-    pad: i32,
-}
-
-// SAFETY: plain integers, laid out as the kernel's struct.
-unsafe impl cudarc::driver::DeviceRepr for Work {}
 
 /// What a product needs of a weight matrix on the device.
 #[derive(Clone, Copy)]
@@ -451,9 +572,9 @@ impl Backend for Cuda {
         if tokens.is_empty() {
             return Ok(out);
         }
-        let tok = self.dev.upload(tokens)?;
-        let pieces = table.cols.div_ceil(32);
-        let cfg = grid((tokens.len() as u32, pieces.div_ceil(128) as u32), 128, 0);
+        let tok = self.dev.upload_scratch(tokens)?;
+        let groups = table.cols.div_ceil(4);
+        let cfg = grid((tokens.len() as u32, groups.div_ceil(128) as u32), 128, 0);
         let name = format!("embed_{}", format_suffix(table.dtype));
         launch!(&self.dev, &name, cfg;
             self.p(&table.buf), table.row_bytes as i64, table.cols as i32, self.p(&tok), scale, self.p(&out.buf))?;
@@ -516,7 +637,7 @@ impl Backend for Cuda {
             return Ok(out);
         }
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let idx = self.dev.upload(&idx)?;
+        let idx = self.dev.upload_scratch(&idx)?;
         launch!(&self.dev, "gather_rows", elementwise(n);
             self.p(&x.buf), self.p(&idx), x.cols as i32, self.p(&out.buf), n as i64)?;
         Ok(out)
@@ -560,19 +681,18 @@ impl Backend for Cuda {
             return Ok(());
         }
         let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
-        let pos = self.dev.upload(&positions)?;
-        let freq = self.dev.upload(&rope.inv_freq)?;
+        let (pos, freq) = (self.constant(&positions)?, self.constant(&rope.inv_freq)?);
         let style = match rope.style {
             RopeStyle::Half => 0i32,
             RopeStyle::Interleaved => 1,
         };
         launch!(&self.dev, "rope", elementwise(total);
-            self.p(&x.buf), x.cols as i32, head_dim as i32, self.p(&pos), self.p(&freq), pairs as i32, style,
+            self.p(&x.buf), x.cols as i32, head_dim as i32, pos, freq, pairs as i32, style,
             rope.attention_factor, total as i64)
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<DevAct> {
-        Ok(DevAct { rows, cols, buf: self.dev.zeros(rows * cols)? })
+        Ok(DevAct { rows, cols, buf: self.dev.zeros_scratch(rows * cols)? })
     }
 
     fn kv_new(&self, kv_dim: usize, window: Option<usize>) -> Result<DevKv> {
@@ -629,7 +749,8 @@ impl Backend for Cuda {
             return Ok(out);
         }
         let mut meta = vec![RowMeta::default(); rows];
-        let mut max_len = 1;
+        // The most blocks a row's positions are split over.
+        let mut splits = 1;
         for (si, (r, cache)) in op.batch.seqs.iter().zip(op.caches).enumerate() {
             let start = cache.len;
             for i in 0..r.rows {
@@ -638,7 +759,7 @@ impl Backend for Cuda {
                 if lo < cache.window.map_or(0, |w| cache.len.saturating_sub(w)) {
                     return Err(Error::Device(format!("cuda: attention: position {lo} is no longer in the cache")));
                 }
-                max_len = max_len.max(pos + 1 - lo);
+                splits = splits.max(attention_splits(pos + 1 - lo));
                 meta[r.first + i] =
                     RowMeta { pos: pos as i32, start: start as i32, first: r.first as i32, seq: si as i32 };
             }
@@ -647,34 +768,89 @@ impl Backend for Cuda {
         let vc: Vec<u64> = op.caches.iter().map(|c| self.p(&c.v)).collect();
         let ring: Vec<i32> = op.caches.iter().map(|c| c.window.unwrap_or(0) as i32).collect();
         let (kc, vc, ring, meta) =
-            (self.dev.upload(&kc)?, self.dev.upload(&vc)?, self.dev.upload(&ring)?, self.dev.upload(&meta)?);
-        let scores = self.dev.alloc::<f32>(rows * s.n_heads * max_len)?;
-        let cfg = grid((s.n_heads as u32, rows as u32), 128, (hd * 4) as u32);
+            (self.constant(&kc)?, self.constant(&vc)?, self.constant(&ring)?, self.constant(&meta)?);
+        if hd > ATT_MAX_HEAD_DIM {
+            return Err(Error::Unsupported(format!(
+                "cuda: attention heads of {hd} dimensions (at most {ATT_MAX_HEAD_DIM})"
+            )));
+        }
+        let part = self.dev.scratch::<f32>(rows * s.n_heads * splits * (hd + 2))?;
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (s.n_heads as u32, rows as u32, splits as u32),
+            block_dim: (32 * ATT_WARPS as u32, 1, 1),
+            shared_mem_bytes: ((hd + ATT_WARPS * (hd + 2)) * 4) as u32,
+        };
         let window = s.window.unwrap_or(0) as i32;
         launch!(&self.dev, "attention", cfg;
-            self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), self.p(&kc), self.p(&vc), self.p(&ring),
-            self.p(&meta), s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
-            self.p(&scores), max_len as i32, self.p(&out.buf))?;
+            self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), kc, vc, ring,
+            meta, s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
+            splits as i32, self.p(&part))?;
+        launch!(&self.dev, "attention_merge", grid((s.n_heads as u32, rows as u32), 128, 0);
+            self.p(&part), meta, s.n_heads as i32, hd as i32, window, splits as i32, self.p(&out.buf))?;
         Ok(out)
     }
 
     fn route(&self, logits: &DevAct, r: &RouterOp<Self>) -> Result<DevRouting> {
+        let (rows, e, k) = (logits.rows, r.n_experts, r.top_k);
+        let len = rows * k;
+        let on_device = match r.kind {
+            RouterKind::Softmax { normalize_top_k } => Some((0, normalize_top_k)),
+            RouterKind::Gemma4 => Some((0, true)),
+            RouterKind::TopKSoftmax => Some((1, false)),
+            RouterKind::SigmoidGroupLimited { .. } => None,
+        };
+        // The kernel holds eight experts per lane and gives one chosen expert to each.
+        if let Some((kind, renorm)) = on_device
+            && e <= 256
+            && k <= 32
+            && r.choice_bias.is_none()
+        {
+            let (ids, weights) = (self.dev.scratch::<u32>(len)?, self.dev.scratch::<f32>(len)?);
+            if rows > 0 {
+                let vec = |v: &Option<DevVector>| v.as_ref().map_or(0, |v| self.p(&v.dev));
+                launch!(&self.dev, "route_top_k", grid((rows.div_ceil(4) as u32, 1), 128, 0);
+                    self.p(&logits.buf), rows as i32, e as i32, k as i32, kind, renorm as i32,
+                    vec(&r.logit_bias), vec(&r.expert_scale), self.p(&ids), self.p(&weights))?;
+            }
+            return Ok(DevRouting { top_k: k, n_experts: e, len, ids, weights, host_ids: Mutex::new(None) });
+        }
+        // The others on the host, as the CPU backend routes.
         let host = self.dev.download(&logits.buf, logits.len())?;
         let p = sluice_cpu::router::RouteParams {
             kind: r.kind,
-            n_experts: r.n_experts,
-            top_k: r.top_k,
+            n_experts: e,
+            top_k: k,
             logit_bias: r.logit_bias.as_ref().map(|v| v.host.as_slice()),
             choice_bias: r.choice_bias.as_ref().map(|v| v.host.as_slice()),
             expert_scale: r.expert_scale.as_ref().map(|v| v.host.as_slice()),
         };
-        let mut out = DevRouting { top_k: r.top_k, ids: Vec::new(), weights: Vec::new() };
-        sluice_cpu::router::route(&host, &p, &mut out.ids, &mut out.weights);
-        Ok(out)
+        let (mut ids, mut weights) = (Vec::new(), Vec::new());
+        sluice_cpu::router::route(&host, &p, &mut ids, &mut weights);
+        Ok(DevRouting {
+            top_k: k,
+            n_experts: e,
+            len,
+            ids: self.dev.upload_scratch(&ids)?,
+            weights: self.dev.upload_scratch(&weights)?,
+            host_ids: Mutex::new(Some(ids)),
+        })
     }
 
     fn routing_ids(&self, r: &DevRouting) -> Result<Vec<u32>> {
-        Ok(r.ids.clone())
+        let mut host = r.host_ids.lock().unwrap_or_else(|e| e.into_inner());
+        if host.is_none() {
+            *host = Some(self.dev.download(&r.ids, r.len)?);
+        }
+        Ok(host.clone().unwrap_or_default())
+    }
+
+    fn fetch_routed<'s>(&self, store: &'s ExpertStore, layer: usize, routing: &DevRouting) -> Result<DevExperts<'s>> {
+        if let Some(w) = self.whole_layer((store.id(), layer), store.n_experts(layer))? {
+            self.tier.lock().unwrap_or_else(|e| e.into_inner()).stats.whole_layers += 1;
+            return Ok(DevExperts::Whole(w));
+        }
+        let ids = self.routing_ids(routing)?;
+        self.fetch_experts(store, layer, &sluice_engine::moe::unique(&ids))
     }
 
     fn fetch_experts<'s>(&self, store: &'s ExpertStore, layer: usize, ids: &[usize]) -> Result<DevExperts<'s>> {
@@ -696,51 +872,90 @@ impl Backend for Cuda {
         }
         let lease =
             if missing.is_empty() { None } else { Some(store.fetch_with(layer, &missing, FetchMode::Stream)?) };
-        Ok(DevExperts { key: (store.id(), layer), held, lease })
+        Ok(DevExperts::Some { key: (store.id(), layer), held, lease })
     }
 
     fn experts_ready(&self, experts: &DevExperts<'_>) -> Result<()> {
-        experts.lease.as_ref().map_or(Ok(()), |l| l.wait_all())
+        match experts {
+            DevExperts::Some { lease: Some(l), .. } => l.wait_all(),
+            _ => Ok(()),
+        }
     }
 
     fn experts_waited(&self, experts: &DevExperts<'_>) -> std::time::Duration {
-        experts.lease.as_ref().map_or(std::time::Duration::ZERO, |l| l.waited())
+        match experts {
+            DevExperts::Some { lease: Some(l), .. } => l.waited(),
+            _ => std::time::Duration::ZERO,
+        }
+    }
+
+    fn adopt_experts(&self, store: &ExpertStore, mut progress: Option<&mut dyn FnMut(u64, u64)>) -> Result<()> {
+        let total = store.total_bytes();
+        {
+            let t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
+            if total == 0 || (total as usize) > self.room(&t)? {
+                return Ok(());
+            }
+        }
+        let mut done = 0u64;
+        for layer in 0..store.layout().layers.len() {
+            let ids: Vec<usize> = (0..store.n_experts(layer)).collect();
+            if ids.is_empty() {
+                continue;
+            }
+            let lease = store.fetch_with(layer, &ids, FetchMode::Stream)?;
+            for e in lease.order() {
+                let x = self.upload_expert(lease.take(e)?.mats())?;
+                done += x.bytes() as u64;
+                let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
+                t.stats.adopted += 1;
+                t.insert((store.id(), layer, e), x);
+                drop(t);
+                if let Some(p) = progress.as_deref_mut() {
+                    p(done, total);
+                }
+            }
+            self.whole_layer((store.id(), layer), ids.len())?;
+        }
+        Ok(())
     }
 
     fn moe(&self, x: &DevAct, routing: &DevRouting, experts: &DevExperts<'_>, ffn: &ExpertFfn<Self>) -> Result<DevAct> {
-        let k = routing.top_k.max(1);
-        let slots_total = routing.ids.len();
         // Each (row, slot)'s expert output, then their weighted sum in router order.
-        // Every expert on the device: those the tier holds, then the others as the
-        // store delivers them, each copied over and kept.
-        let mut exs: Vec<(usize, Arc<DevExpert>)> = experts.held.clone();
-        if let Some(lease) = &experts.lease {
-            for e in lease.order() {
-                let taken = lease.take(e)?;
-                let m = taken.mats();
-                let ex = Arc::new(DevExpert {
-                    gate: self.upload_mat(m.gate)?,
-                    up: self.upload_mat(m.up)?,
-                    down: self.upload_mat(m.down)?,
-                });
-                drop(taken);
-                {
-                    let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
-                    t.stats.host_fills += 1;
-                    t.stats.fill_bytes += ex.bytes() as u64;
+        let per_slot = self.act(routing.len, x.cols)?;
+        match experts {
+            DevExperts::Whole(w) => {
+                let shape = w.experts.first().expect("a whole layer has experts");
+                self.grouped_experts(x, routing, &w.tables, shape, ffn, &per_slot)?;
+            }
+            DevExperts::Some { key, held, lease } => {
+                // Every expert on the device: those the tier holds, then the others
+                // as the store delivers them, each copied over and kept.
+                let mut exs: Vec<(usize, Arc<DevExpert>)> = held.clone();
+                if let Some(lease) = lease {
+                    for e in lease.order() {
+                        let ex = self.upload_expert(lease.take(e)?.mats())?;
+                        {
+                            let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
+                            t.stats.host_fills += 1;
+                            t.stats.fill_bytes += ex.bytes() as u64;
+                        }
+                        self.keep((key.0, key.1, e), ex.clone())?;
+                        exs.push((e, ex));
+                    }
                 }
-                self.keep((experts.key.0, experts.key.1, e), ex.clone())?;
-                exs.push((e, ex));
+                let Some((_, shape)) = exs.first() else { return self.zeros(x.rows, x.cols) };
+                let refs: Vec<(usize, &DevExpert)> = exs.iter().map(|(e, x)| (*e, x.as_ref())).collect();
+                let tables = self.tables(routing.n_experts, &refs)?;
+                self.grouped_experts(x, routing, &tables, shape, ffn, &per_slot)?;
             }
         }
-        let per_slot = self.zeros(slots_total, x.cols)?;
-        self.grouped_experts(x, k, &routing.ids, &exs, ffn, &per_slot)?;
         let out = self.act(x.rows, x.cols)?;
         let n = out.len();
         if n > 0 {
-            let w = self.dev.upload(&routing.weights)?;
             launch!(&self.dev, "combine", elementwise(n);
-                self.p(&per_slot.buf), self.p(&w), k as i32, x.cols as i32, self.p(&out.buf), n as i64)?;
+                self.p(&per_slot.buf), self.p(&routing.weights), routing.top_k.max(1) as i32, x.cols as i32,
+                self.p(&out.buf), n as i64)?;
         }
         Ok(out)
     }
@@ -751,5 +966,26 @@ impl Backend for Cuda {
 
     fn n_rows(&self, x: &DevAct) -> usize {
         x.rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attention_splits;
+
+    /// Runs of 64 up to 16 of them, then longer runs: never more than 16 blocks, and
+    /// every position in one.
+    #[test]
+    fn attention_splits_cover_every_position() {
+        assert_eq!(attention_splits(1), 1);
+        assert_eq!(attention_splits(64), 1);
+        assert_eq!(attention_splits(65), 2);
+        assert_eq!(attention_splits(1024), 16);
+        assert_eq!(attention_splits(1025), 9);
+        for len in 1..20_000 {
+            let n = attention_splits(len);
+            let run = len.div_ceil(16).div_ceil(64).max(1) * 64;
+            assert!(n <= 16 && n * run >= len && (n - 1) * run < len, "{len} positions: {n} runs of {run}");
+        }
     }
 }

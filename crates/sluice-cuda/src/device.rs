@@ -2,11 +2,12 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig};
-use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
-use sluice_core::{Error, Result};
+use sluice_core::{DType, Error, Result};
 
 const SOURCE: &str = include_str!("kernels.cu");
 
@@ -48,12 +49,140 @@ pub fn probe() -> Option<String> {
     }
 }
 
-/// The kernels compiled for compute capability `major.minor` (needs only NVRTC, no GPU).
-pub fn compile(major: i32, minor: i32) -> Result<cudarc::nvrtc::Ptx> {
-    // NVRTC keeps the option string; one per capability for the process.
-    let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
-    let opts = CompileOptions { arch: Some(arch), name: Some("kernels.cu".into()), ..Default::default() };
-    compile_ptx_with_opts(SOURCE, opts).map_err(|e| fail("compiling the kernels", e))
+/// A compilation unit of `kernels.cu`: the kernels every model uses, or one weight
+/// format's products and embedding. Each is compiled when first needed, so a model
+/// pays only for the formats it stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unit {
+    Common,
+    Format(DType),
+}
+
+impl Unit {
+    /// The unit that holds kernel `name`.
+    fn of(name: &str) -> Unit {
+        let format = ["mmg_", "mm_", "embed_"].iter().find_map(|p| name.strip_prefix(p));
+        format
+            .and_then(|f| DType::ALL.iter().find(|&&d| format_suffix(d) == f))
+            .map_or(Unit::Common, |&d| Unit::Format(d))
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Unit::Common => "common",
+            Unit::Format(d) => format_suffix(d),
+        }
+    }
+
+    fn defines(self) -> Vec<String> {
+        // A developer's choice among kernel variants under measurement (kernels.cu's
+        // SLUICE_VARIANT).
+        let variant = std::env::var("SLUICE_CUDA_VARIANT").ok().map(|v| format!("-DSLUICE_VARIANT={v}"));
+        let mut d = self.format_defines();
+        d.extend(variant);
+        d
+    }
+
+    fn format_defines(self) -> Vec<String> {
+        match self {
+            Unit::Common => Vec::new(),
+            Unit::Format(d) => {
+                use DType::*;
+                // The format's code, as kernels.cu's F_ macros name it.
+                let code = match d {
+                    F32 => "F_F32",
+                    F16 => "F_F16",
+                    BF16 => "F_BF16",
+                    Q8_0 => "F_Q8_0",
+                    Q4_0 => "F_Q4_0",
+                    Q4_1 => "F_Q4_1",
+                    Q5_0 => "F_Q5_0",
+                    Q5_1 => "F_Q5_1",
+                    MXFP4 => "F_MXFP4",
+                    Q4K => "F_Q4K",
+                    Q5K => "F_Q5K",
+                    Q6K => "F_Q6K",
+                };
+                vec![format!("-DSLUICE_FORMAT={code}"), format!("-DSLUICE_FORMAT_NAME={}", format_suffix(d))]
+            }
+        }
+    }
+}
+
+/// Unit `unit` of the kernels compiled by NVRTC to machine code for compute
+/// capability `major.minor` (needs only NVRTC, no GPU).
+pub fn compile(major: i32, minor: i32, unit: Unit) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    let what = format!("compiling the {} kernels for sm_{major}{minor}", unit.label());
+    let src = CString::new(SOURCE).expect("kernels.cu has no NUL");
+    let prog = result::create_program(&src, Some(c"kernels.cu")).map_err(|e| fail(&what, e))?;
+    let mut opts = vec![format!("--gpu-architecture=sm_{major}{minor}")];
+    opts.extend(unit.defines());
+    // SAFETY: `prog` was just created and is destroyed once, below.
+    unsafe {
+        let compiled = result::compile_program(prog, &opts);
+        let cubin = compiled.map_err(|e| {
+            let log = result::get_program_log(prog).unwrap_or_default();
+            let log: String = log.iter().map(|&c| c as u8 as char).filter(|&c| c != '\0').collect();
+            fail(&what, format!("{e}\n{log}"))
+        });
+        let cubin = cubin.and_then(|()| {
+            let mut size = 0usize;
+            sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| fail(&what, e))?;
+            let mut bin = vec![0u8; size];
+            sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr().cast()).result().map_err(|e| fail(&what, e))?;
+            Ok(bin)
+        });
+        let _ = result::destroy_program(prog);
+        cubin
+    }
+}
+
+/// Where compiled kernels are kept between runs: `$SLUICE_CACHE_DIR/cuda`, else
+/// `$XDG_CACHE_HOME/sluice/cuda`, else `~/.cache/sluice/cuda`.
+fn cache_dir() -> Option<PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let base = var("SLUICE_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("sluice")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache/sluice")))?;
+    Some(base.join("cuda"))
+}
+
+/// FNV-1a: a hash that stays the same from build to build, to name cached kernels.
+fn fnv64(parts: &[&[u8]]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in parts.iter().flat_map(|p| p.iter()) {
+        h = (h ^ *b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    h
+}
+
+/// Unit `unit`'s machine code: from the cache if an earlier run compiled this
+/// source for this device and NVRTC, else compiled now and cached (best effort: an
+/// unwritable cache only means compiling again next time).
+fn machine_code(major: i32, minor: i32, unit: Unit) -> Result<Vec<u8>> {
+    let (mut nv_major, mut nv_minor) = (0, 0);
+    // SAFETY: two out-parameters.
+    let _ = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nv_major, &mut nv_minor) };
+    let key = format!("{major}.{minor} nvrtc {nv_major}.{nv_minor} {:?}", unit.defines());
+    let name = format!("{}-sm_{major}{minor}-{:016x}.cubin", unit.label(), fnv64(&[SOURCE.as_bytes(), key.as_bytes()]));
+    let path = cache_dir().map(|d| d.join(name));
+    if let Some(bin) = path.as_ref().and_then(|p| std::fs::read(p).ok())
+        && !bin.is_empty()
+    {
+        return Ok(bin);
+    }
+    let bin = compile(major, minor, unit)?;
+    if let Some(p) = &path
+        && let Some(dir) = p.parent()
+        && std::fs::create_dir_all(dir).is_ok()
+    {
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &bin).is_ok() {
+            let _ = std::fs::rename(&tmp, p);
+        }
+    }
+    Ok(bin)
 }
 
 /// A device error as sluice's, saying what was being done.
@@ -61,12 +190,19 @@ pub(crate) fn fail(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Device(format!("cuda: {what}: {e}"))
 }
 
-/// One GPU: its context, the stream every operation runs on, and the kernels.
+/// One GPU: its context, the stream every operation runs on, and the kernels of
+/// the units compiled so far.
 pub(crate) struct Device {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    kernels: HashMap<String, CudaFunction>,
+    capability: (i32, i32),
+    kernels: Mutex<HashMap<String, CudaFunction>>,
+    loaded: Mutex<Vec<Unit>>,
     pub name: String,
+    /// Buffers of intermediates given back by [`Scratch`], for the next of the same size.
+    pools: Arc<Pools>,
+    /// `SLUICE_CUDA_TRACE`: time by kernel and kind of call.
+    trace: Option<(Trace, TraceCounts)>,
 }
 
 impl Device {
@@ -80,16 +216,44 @@ impl Device {
         // SAFETY: set before any buffer is allocated.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
-        let (major, minor) = ctx.compute_capability().map_err(|e| fail("reading the compute capability", e))?;
-        let ptx = compile(major, minor)?;
-        let module = ctx.load_module(ptx).map_err(|e| fail("loading the kernels", e))?;
-        let mut kernels = HashMap::new();
-        for name in kernel_names() {
+        let capability = ctx.compute_capability().map_err(|e| fail("reading the compute capability", e))?;
+        let name = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
+        let trace = std::env::var("SLUICE_CUDA_TRACE")
+            .ok()
+            .map(|v| (if v == "cpu" { Trace::Cpu } else { Trace::Sync }, Mutex::default()));
+        let dev = Device {
+            ctx,
+            stream,
+            capability,
+            kernels: Mutex::default(),
+            loaded: Mutex::default(),
+            name,
+            pools: Arc::default(),
+            trace,
+        };
+        dev.prepare(Unit::Common)?;
+        Ok(dev)
+    }
+
+    /// Compiles (or finds in the cache) and loads unit `unit` unless it is loaded.
+    pub fn prepare(&self, unit: Unit) -> Result<()> {
+        let mut loaded = lock(&self.loaded);
+        if loaded.contains(&unit) {
+            return Ok(());
+        }
+        let (major, minor) = self.capability;
+        let bin = machine_code(major, minor, unit)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(bin))
+            .map_err(|e| fail(&format!("loading the {} kernels", unit.label()), e))?;
+        let mut kernels = lock(&self.kernels);
+        for name in kernel_names(unit) {
             let f = module.load_function(&name).map_err(|e| fail(&format!("kernel {name}"), e))?;
             kernels.insert(name, f);
         }
-        let name = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
-        Ok(Device { ctx, stream, kernels, name })
+        loaded.push(unit);
+        Ok(())
     }
 
     /// Free and total device memory, in bytes.
@@ -97,16 +261,70 @@ impl Device {
         self.ctx.mem_get_info().map_err(|e| fail("reading the memory size", e))
     }
 
-    pub fn kernel(&self, name: &str) -> Result<&CudaFunction> {
-        self.kernels.get(name).ok_or_else(|| Error::Device(format!("cuda: no kernel {name}")))
+    /// Kernel `name`, its unit loaded first if it is not yet.
+    pub fn kernel(&self, name: &str) -> Result<CudaFunction> {
+        if let Some(f) = lock(&self.kernels).get(name) {
+            return Ok(f.clone());
+        }
+        self.prepare(Unit::of(name))?;
+        lock(&self.kernels).get(name).cloned().ok_or_else(|| Error::Device(format!("cuda: no kernel {name}")))
+    }
+
+    /// With `SLUICE_CUDA_TRACE` set: adds the time since `from` to `name`'s count,
+    /// after waiting for what was queued (`sync`: the time a step spends in each
+    /// kernel, with its launch) or not (`cpu`: the host's time in the call).
+    pub fn traced(&self, name: &str, from: Instant) -> Result<()> {
+        let Some((mode, t)) = &self.trace else { return Ok(()) };
+        if *mode == Trace::Sync {
+            self.sync()?;
+        }
+        let mut t = lock(t);
+        let e = t.entry(name.to_string()).or_default();
+        e.0 += 1;
+        e.1 += from.elapsed();
+        Ok(())
     }
 
     /// `len` uninitialised elements (at least one: the driver refuses empty buffers).
     pub fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+        let from = Instant::now();
         // SAFETY: every buffer is written before it is read (kernels write their
         // whole output; `zeros` clears).
-        unsafe { self.stream.alloc::<T>(len.max(1)) }
-            .map_err(|e| fail(&format!("allocating {} bytes", len * size_of::<T>()), e))
+        let d = unsafe { self.stream.alloc::<T>(len.max(1)) }
+            .map_err(|e| fail(&format!("allocating {} bytes", len * size_of::<T>()), e))?;
+        self.traced("alloc", from)?;
+        Ok(d)
+    }
+
+    /// `len` uninitialised elements for an intermediate, from the pool if it holds a
+    /// buffer of that size (a step allocates and frees the same sizes in every layer;
+    /// the driver's allocation and free cost the host some microseconds each).
+    pub fn scratch<T: Pooled>(&self, len: usize) -> Result<Scratch<T>> {
+        let len = len.max(1);
+        let reused = lock(T::pool(&self.pools)).take(len);
+        let buf = match reused {
+            Some(b) => b,
+            None => self.alloc::<T>(len)?,
+        };
+        Ok(Scratch { buf: Some(buf), pools: self.pools.clone() })
+    }
+
+    /// An intermediate holding `host`.
+    pub fn upload_scratch<T: Pooled>(&self, host: &[T]) -> Result<Scratch<T>> {
+        let mut d = self.scratch::<T>(host.len())?;
+        if !host.is_empty() {
+            self.stream
+                .memcpy_htod(host, &mut d.slice_mut(..host.len()))
+                .map_err(|e| fail(&format!("copying {} bytes to the GPU", std::mem::size_of_val(host)), e))?;
+        }
+        Ok(d)
+    }
+
+    /// An intermediate of `len` zeros.
+    pub fn zeros_scratch<T: Pooled + cudarc::driver::ValidAsZeroBits>(&self, len: usize) -> Result<Scratch<T>> {
+        let mut d = self.scratch::<T>(len)?;
+        self.stream.memset_zeros(&mut *d).map_err(|e| fail("clearing device memory", e))?;
+        Ok(d)
     }
 
     pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
@@ -116,20 +334,24 @@ impl Device {
     }
 
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        let from = Instant::now();
         let mut d = self.alloc::<T>(host.len())?;
         if !host.is_empty() {
             self.stream
                 .memcpy_htod(host, &mut d.slice_mut(..host.len()))
                 .map_err(|e| fail(&format!("copying {} bytes to the GPU", std::mem::size_of_val(host)), e))?;
         }
+        self.traced("upload", from)?;
         Ok(d)
     }
 
     pub fn download<T: DeviceRepr + Default + Clone>(&self, d: &CudaSlice<T>, len: usize) -> Result<Vec<T>> {
+        let from = Instant::now();
         let mut host = vec![T::default(); len];
         if len > 0 {
             self.stream.memcpy_dtoh(&d.slice(..len), &mut host).map_err(|e| fail("copying from the GPU", e))?;
         }
+        self.traced("download", from)?;
         Ok(host)
     }
 
@@ -142,6 +364,119 @@ impl Device {
     pub fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| fail("waiting for the GPU", e))
     }
+}
+
+impl Drop for Device {
+    /// The trace's table, longest first, on stderr (set only by a developer's
+    /// `SLUICE_CUDA_TRACE`).
+    fn drop(&mut self) {
+        let Some((_, t)) = &self.trace else { return };
+        let mut rows: Vec<(String, (u64, Duration))> = lock(t).drain().collect();
+        rows.sort_by_key(|(_, (_, d))| std::cmp::Reverse(*d));
+        let total: Duration = rows.iter().map(|(_, (_, d))| *d).sum();
+        eprintln!("cuda trace: {:.1} ms in {} kinds of operation", total.as_secs_f64() * 1e3, rows.len());
+        for (name, (n, d)) in rows {
+            eprintln!(
+                "  {name:<20} {n:>8} calls {:>10.2} ms {:>8.1} us/call",
+                d.as_secs_f64() * 1e3,
+                d.as_secs_f64() * 1e6 / n as f64
+            );
+        }
+    }
+}
+
+/// Most bytes the pools keep; buffers given back beyond it are freed.
+const POOLED_BYTES: usize = 512 << 20;
+
+/// Free buffers of one element type, by length.
+pub(crate) struct Pool<T> {
+    free: HashMap<usize, Vec<CudaSlice<T>>>,
+    bytes: usize,
+}
+
+impl<T> Default for Pool<T> {
+    fn default() -> Self {
+        Pool { free: HashMap::new(), bytes: 0 }
+    }
+}
+
+impl<T> Pool<T> {
+    fn take(&mut self, len: usize) -> Option<CudaSlice<T>> {
+        let b = self.free.get_mut(&len)?.pop()?;
+        self.bytes -= len * size_of::<T>();
+        Some(b)
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Pools {
+    f32: Mutex<Pool<f32>>,
+    u32: Mutex<Pool<u32>>,
+}
+
+/// The element types intermediates are made of.
+pub(crate) trait Pooled: DeviceRepr + Sized {
+    fn pool(p: &Pools) -> &Mutex<Pool<Self>>;
+}
+
+impl Pooled for f32 {
+    fn pool(p: &Pools) -> &Mutex<Pool<f32>> {
+        &p.f32
+    }
+}
+
+impl Pooled for u32 {
+    fn pool(p: &Pools) -> &Mutex<Pool<u32>> {
+        &p.u32
+    }
+}
+
+/// A device buffer for an intermediate, given back to its pool when dropped. Reuse
+/// is safe because every operation runs on the one stream: the next kernel writing
+/// the buffer is queued after the last one reading it.
+pub(crate) struct Scratch<T: Pooled> {
+    buf: Option<CudaSlice<T>>,
+    pools: Arc<Pools>,
+}
+
+impl<T: Pooled> std::ops::Deref for Scratch<T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        self.buf.as_ref().expect("held until dropped")
+    }
+}
+
+impl<T: Pooled> std::ops::DerefMut for Scratch<T> {
+    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        self.buf.as_mut().expect("held until dropped")
+    }
+}
+
+impl<T: Pooled> Drop for Scratch<T> {
+    fn drop(&mut self) {
+        let Some(b) = self.buf.take() else { return };
+        let mut pool = lock(T::pool(&self.pools));
+        let bytes = b.len() * size_of::<T>();
+        if pool.bytes + bytes <= POOLED_BYTES {
+            pool.bytes += bytes;
+            pool.free.entry(b.len()).or_default().push(b);
+        }
+    }
+}
+
+/// Calls and time by kernel or kind of call.
+type TraceCounts = Mutex<HashMap<String, (u64, Duration)>>;
+
+/// What `SLUICE_CUDA_TRACE` times: each call waited for, or only its time on the host.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Trace {
+    Sync,
+    Cpu,
+}
+
+/// A lock, whatever a panicking holder left (the maps stay consistent).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A launch of `blocks` blocks of `threads`.
@@ -165,11 +500,13 @@ macro_rules! launch {
         let dev: &$crate::device::Device = $dev;
         let name: &str = $name;
         let f = dev.kernel(name)?;
-        let mut b = dev.stream.launch_builder(f);
+        let from = std::time::Instant::now();
+        let mut b = dev.stream.launch_builder(&f);
         $crate::device::launch!(@push b; $($arg),*);
         // SAFETY: the arguments match the kernel's parameters in kernels.cu, and the
         // buffers they address outlive the launch (freeing is ordered by the stream).
-        unsafe { b.launch($cfg) }.map(|_| ()).map_err(|e| $crate::device::fail(name, e))
+        unsafe { b.launch($cfg) }.map(|_| ()).map_err(|e| $crate::device::fail(name, e))?;
+        dev.traced(name, from)
     }};
     (@push $b:ident; ) => {};
     (@push $b:ident; $a:expr $(, $rest:expr)*) => {
@@ -181,8 +518,8 @@ macro_rules! launch {
 pub(crate) use launch;
 
 /// Kernel names by weight format.
-pub(crate) fn format_suffix(d: sluice_core::DType) -> &'static str {
-    use sluice_core::DType::*;
+pub(crate) fn format_suffix(d: DType) -> &'static str {
+    use DType::*;
     match d {
         F32 => "f32",
         F16 => "f16",
@@ -199,31 +536,32 @@ pub(crate) fn format_suffix(d: sluice_core::DType) -> &'static str {
     }
 }
 
-fn kernel_names() -> Vec<String> {
-    let mut names: Vec<String> = sluice_core::DType::ALL
-        .iter()
-        .flat_map(|&d| ["mm", "mmg", "embed"].map(|k| format!("{k}_{}", format_suffix(d))))
-        .collect();
-    for n in [
-        "add",
-        "mul",
-        "scale",
-        "mul_row",
-        "add_row",
-        "activate",
-        "softcap",
-        "glu",
-        "gather_rows",
-        "scatter_rows",
-        "columns",
-        "combine",
-        "add_expert_bias",
-        "rms_norm",
-        "rope",
-        "kv_write",
-        "attention",
-    ] {
-        names.push(n.into());
-    }
-    names
+/// The kernels of unit `unit`.
+fn kernel_names(unit: Unit) -> Vec<String> {
+    let d = match unit {
+        Unit::Format(d) => return ["mm", "mmg", "embed"].map(|k| format!("{k}_{}", format_suffix(d))).to_vec(),
+        Unit::Common => [
+            "add",
+            "mul",
+            "scale",
+            "mul_row",
+            "add_row",
+            "activate",
+            "softcap",
+            "glu",
+            "gather_rows",
+            "scatter_rows",
+            "columns",
+            "combine",
+            "add_expert_bias",
+            "rms_norm",
+            "rope",
+            "kv_write",
+            "attention",
+            "attention_merge",
+            "route_top_k",
+            "plan_experts",
+        ],
+    };
+    d.map(String::from).to_vec()
 }

@@ -1,9 +1,9 @@
 // sluice's CUDA kernels, compiled by NVRTC when the backend starts (kernels.rs).
 //
 // Weights stay in their stored format in device memory; every product dequantizes
-// 32 elements at a time ("pieces": a 32-element block, a K-quant sub-block, or 32
-// plain values) into registers and multiplies in f32. The layouts are ggml's, as
-// sluice_core::quant::dequantize_block reads them.
+// four consecutive elements at a time per thread (deq4) into registers and
+// multiplies in f32. The layouts are ggml's, as sluice_core::quant::dequantize_block
+// reads them.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -31,17 +31,6 @@ __device__ __forceinline__ float h2f(u16 h) {
     return f;
 }
 
-__device__ __forceinline__ float half_at(const u8* b) { return h2f((u16)b[0] | ((u16)b[1] << 8)); }
-
-__device__ __forceinline__ u32 u32_at(const u8* b) {
-    return (u32)b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16) | ((u32)b[3] << 24);
-}
-
-// Element i of a 32-element block's 16 bytes of nibbles: low nibbles first.
-__device__ __forceinline__ int nib(const u8* qs, int i) {
-    return i < 16 ? (qs[i] & 15) : (qs[i - 16] >> 4);
-}
-
 __device__ __forceinline__ float e8m0_half(u8 e) {
     // 2^(e - 128): the e2m1 values are stored doubled.
     return e == 0 ? __int_as_float(0x00200000) : (e == 1 ? __int_as_float(0x00400000) : __int_as_float((int)(e - 1) << 23));
@@ -60,130 +49,186 @@ __device__ __forceinline__ void k_scale_min(const u8* s, int j, int* sc, int* m)
 
 __constant__ signed char MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// Piece p of a row (elements 32p..32p+32; `cols` bounds the plain formats' last one).
+// Aligned loads: the offsets below are multiples of the width for every row, since
+// rows start 16-byte aligned and each format's block size keeps the alignment said.
+__device__ __forceinline__ u32 ld16(const u8* p) { return *(const u16*)p; }
+__device__ __forceinline__ u32 ld32(const u8* p) { return *(const u32*)p; }
+// Four bytes at a 2-byte aligned address.
+__device__ __forceinline__ u32 ld32_2(const u8* p) { return ld16(p) | (ld16(p + 2) << 16); }
+__device__ __forceinline__ float h2f_lo(u32 w) { return h2f((u16)(w & 0xffff)); }
+__device__ __forceinline__ float h2f_hi(u32 w) { return h2f((u16)(w >> 16)); }
+// Byte k of a word's four, and its low or high nibble.
+__device__ __forceinline__ int byte_k(u32 w, int k) { return (w >> (8 * k)) & 255; }
+
+// Elements e..e+3 of a row (e a multiple of 4): four consecutive elements share one
+// block, one scale and one 4-byte run of codes in every format, so a warp's 32 lanes
+// read 128 consecutive elements with coalesced loads. `cols` bounds the plain
+// formats' last group (the block formats' rows are whole blocks).
 template <int F>
-__device__ __forceinline__ void deq32(const u8* row, int p, int cols, float* v) {
+__device__ __forceinline__ void deq4(const u8* row, int e, int cols, float* v) {
     if (F == F_F32 || F == F_F16 || F == F_BF16) {
-        int c0 = 32 * p;
+        if ((cols & 3) == 0) {
+            if (F == F_F32) {
+                float4 t = *(const float4*)(row + 4 * (long long)e);
+                v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+            } else {
+                uint2 t = *(const uint2*)(row + 2 * (long long)e);
+                u32 w[2] = {t.x, t.y};
 #pragma unroll
-        for (int i = 0; i < 32; i++) {
-            int c = c0 + i;
-            float x = 0.0f;
-            if (c < cols) {
-                if (F == F_F32) x = ((const float*)row)[c];
-                else if (F == F_F16) x = h2f(((const u16*)row)[c]);
-                else x = __uint_as_float((u32)((const u16*)row)[c] << 16);
+                for (int k = 0; k < 4; k++) {
+                    u16 h = (u16)(w[k >> 1] >> (16 * (k & 1)));
+                    v[k] = F == F_F16 ? h2f(h) : __uint_as_float((u32)h << 16);
+                }
             }
-            v[i] = x;
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                int c = e + k;
+                float x = 0.0f;
+                if (c < cols) {
+                    if (F == F_F32) x = ((const float*)row)[c];
+                    else if (F == F_F16) x = h2f(((const u16*)row)[c]);
+                    else x = __uint_as_float((u32)((const u16*)row)[c] << 16);
+                }
+                v[k] = x;
+            }
         }
-    } else if (F == F_Q8_0) {
-        const u8* b = row + 34 * p;
-        float d = half_at(b);
+        return;
+    }
+    int i = e & 31;  // within a 32-element block
+    if (F == F_Q8_0) {
+        const u8* b = row + 34 * (e >> 5);
+        float d = h2f((u16)ld16(b));
+        u32 q = ld32_2(b + 2 + i);
 #pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = (float)(i8)b[2 + i] * d;
-    } else if (F == F_Q4_0) {
-        const u8* b = row + 18 * p;
-        float d = half_at(b);
+        for (int k = 0; k < 4; k++) v[k] = (float)(i8)byte_k(q, k) * d;
+    } else if (F == F_Q4_0 || F == F_Q4_1 || F == F_Q5_0 || F == F_Q5_1 || F == F_MXFP4) {
+        // Codes: element i's nibble is the low one of byte i for i < 16, the high one
+        // of byte i - 16 after.
+        int sh = i < 16 ? 0 : 4;
+        u32 q;
+        float d, m = 0.0f;
+        u32 qh = 0;
+        if (F == F_Q4_0) {
+            const u8* b = row + 18 * (e >> 5);
+            d = h2f((u16)ld16(b));
+            q = ld32_2(b + 2 + (i & 15));
+        } else if (F == F_Q4_1) {
+            const u8* b = row + 20 * (e >> 5);
+            u32 dm = ld32(b);
+            d = h2f_lo(dm), m = h2f_hi(dm);
+            q = ld32(b + 4 + (i & 15));
+        } else if (F == F_Q5_0) {
+            const u8* b = row + 22 * (e >> 5);
+            d = h2f((u16)ld16(b));
+            qh = ld32_2(b + 2);
+            q = ld32_2(b + 6 + (i & 15));
+        } else if (F == F_Q5_1) {
+            const u8* b = row + 24 * (e >> 5);
+            u32 dm = ld32(b);
+            d = h2f_lo(dm), m = h2f_hi(dm);
+            qh = ld32(b + 4);
+            q = ld32(b + 8 + (i & 15));
+        } else {
+            const u8* b = row + 17 * (e >> 5);
+            d = e8m0_half(b[0]);
+            const u8* qs = b + 1 + (i & 15);
+            q = (u32)qs[0] | ((u32)qs[1] << 8) | ((u32)qs[2] << 16) | ((u32)qs[3] << 24);
+        }
 #pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = d * (float)(nib(b + 2, i) - 8);
-    } else if (F == F_Q4_1) {
-        const u8* b = row + 20 * p;
-        float d = half_at(b), m = half_at(b + 2);
-#pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = d * (float)nib(b + 4, i) + m;
-    } else if (F == F_Q5_0) {
-        const u8* b = row + 22 * p;
-        float d = half_at(b);
-        u32 qh = u32_at(b + 2);
-#pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = d * (float)((int)(nib(b + 6, i) | ((qh >> i) & 1) << 4) - 16);
-    } else if (F == F_Q5_1) {
-        const u8* b = row + 24 * p;
-        float d = half_at(b), m = half_at(b + 2);
-        u32 qh = u32_at(b + 4);
-#pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = d * (float)(nib(b + 8, i) | (((qh >> i) & 1) << 4)) + m;
-    } else if (F == F_MXFP4) {
-        const u8* b = row + 17 * p;
-        float d = e8m0_half(b[0]);
-#pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = d * (float)MXFP4_VALUES[nib(b + 1, i)];
+        for (int k = 0; k < 4; k++) {
+            int c = (byte_k(q, k) >> sh) & 15;
+            if (F == F_Q4_0) v[k] = d * (float)(c - 8);
+            else if (F == F_Q4_1) v[k] = d * (float)c + m;
+            // (int: the fifth bit comes from an unsigned word, and Q5_0 subtracts.)
+            else if (F == F_Q5_0) v[k] = d * (float)((c | (int)(((qh >> (i + k)) & 1) << 4)) - 16);
+            else if (F == F_Q5_1) v[k] = d * (float)(c | (int)(((qh >> (i + k)) & 1) << 4)) + m;
+            else v[k] = d * (float)MXFP4_VALUES[c];
+        }
     } else if (F == F_Q4K || F == F_Q5K) {
-        const int bytes = F == F_Q4K ? 144 : 176;
-        const u8* b = row + bytes * (p >> 3);
-        int j = p & 7;
-        float d = half_at(b), dmin = half_at(b + 2);
-        int sc, m;
-        k_scale_min(b + 4, j, &sc, &m);
-        float scale = d * (float)sc, mn = dmin * (float)m;
-        const u8* qs = b + (F == F_Q4K ? 16 : 48) + 32 * (j >> 1);
-        const u8* qh = b + 16;
+        const u8* b = row + (F == F_Q4K ? 144 : 176) * (e >> 8);
+        int j = (e & 255) >> 5;  // sub-block
+        u32 dm = ld32(b);
+        int sc, mi;
+        k_scale_min(b + 4, j, &sc, &mi);
+        float scale = h2f_lo(dm) * (float)sc, mn = h2f_hi(dm) * (float)mi;
+        u32 q = ld32(b + (F == F_Q4K ? 16 : 48) + 32 * (j >> 1) + i);
+        u32 qh = F == F_Q5K ? ld32(b + 16 + i) : 0;
+        int sh = (j & 1) * 4;
 #pragma unroll
-        for (int l = 0; l < 32; l++) {
-            int q = (j & 1) ? (qs[l] >> 4) : (qs[l] & 15);
-            if (F == F_Q5K) q |= ((qh[l] >> j) & 1) << 4;
-            v[l] = scale * (float)q - mn;
+        for (int k = 0; k < 4; k++) {
+            int c = (byte_k(q, k) >> sh) & 15;
+            if (F == F_Q5K) c |= ((byte_k(qh, k) >> j) & 1) << 4;
+            v[k] = scale * (float)c - mn;
         }
     } else if (F == F_Q6K) {
-        const u8* b = row + 210 * (p >> 3);
-        int j = p & 7, h = j >> 2, s = j & 3;
-        const u8* ql = b + 64 * h + 32 * (s & 1);
-        const u8* qh = b + 128 + 32 * h;
-        const i8* scales = (const i8*)(b + 192);
-        float d = half_at(b + 208);
+        const u8* b = row + 210 * (e >> 8);
+        int ee = e & 255, h = ee >> 7, s = (ee & 127) >> 5;
+        u32 ql = ld32_2(b + 64 * h + 32 * (s & 1) + i);
+        u32 qh = ld32_2(b + 128 + 32 * h + i);
+        float scale = h2f((u16)ld16(b + 208)) * (float)((const i8*)b)[192 + (ee >> 4)];
+        int sh = s < 2 ? 0 : 4;
 #pragma unroll
-        for (int l = 0; l < 32; l++) {
-            int lo = s < 2 ? (ql[l] & 15) : (ql[l] >> 4);
-            int hi = (qh[l] >> (2 * s)) & 3;
-            int q = (lo | (hi << 4)) - 32;
-            int e = 128 * h + 32 * s + l;
-            v[l] = (d * (float)scales[e >> 4]) * (float)q;
+        for (int k = 0; k < 4; k++) {
+            int lo = (byte_k(ql, k) >> sh) & 15;
+            int hi = (byte_k(qh, k) >> (2 * s)) & 3;
+            v[k] = scale * (float)((lo | (hi << 4)) - 32);
         }
     }
 }
 
-// Output rows per block (one warp each) and input rows per pass of the weights.
+// Warps per block, all on one output row (each a quarter of its columns: a decode
+// product has too few rows to keep the GPU's memory busy with a warp per row), and
+// input rows per pass of the weights.
 #define MM_WARPS 4
 #define MM_ROWS 8
 
-// The shared body of the products: one warp computes output `o` of up to MM_ROWS
-// input rows against weight row `row`, a lane per piece. `X` gives input row r's
-// address, `Y` stores its result.
+// The shared body of the products: the block computes output `o` of up to MM_ROWS
+// input rows against weight row `row`; warp w takes every fourth run of 128
+// elements, each lane four consecutive elements of a run (coalesced reads of
+// weights and inputs alike). The warps' sums are added in warp order. `X` gives
+// input row r's address, `Y` stores its result. Every thread of the block calls it.
 template <int F, class X, class Y>
-__device__ __forceinline__ void mm_warp(const u8* row, int cols, int nr, X xrow, Y store) {
-    int lane = threadIdx.x & 31;
+__device__ __forceinline__ void mm_block(const u8* row, int cols, int nr, X xrow, Y store) {
+    __shared__ float part[MM_WARPS][MM_ROWS];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float acc[MM_ROWS];
 #pragma unroll
     for (int r = 0; r < MM_ROWS; r++) acc[r] = 0.0f;
-    int pieces = (cols + 31) >> 5;
-    for (int p = lane; p < pieces; p += 32) {
-        float v[32];
-        deq32<F>(row, p, cols, v);
-        int c0 = 32 * p;
-        int m = min(32, cols - c0);
+    bool vec = (cols & 3) == 0;
+    for (int e = 4 * lane + 128 * warp; e < cols; e += 128 * MM_WARPS) {
+        float w[4];
+        deq4<F>(row, e, cols, w);
 #pragma unroll
         for (int r = 0; r < MM_ROWS; r++) {
             if (r < nr) {
-                const float* xr = xrow(r) + c0;
-                float s = 0.0f;
-                if (m == 32) {
-#pragma unroll
-                    for (int i = 0; i < 32; i += 4) {
-                        float4 t = *(const float4*)(xr + i);
-                        s += v[i] * t.x + v[i + 1] * t.y + v[i + 2] * t.z + v[i + 3] * t.w;
-                    }
+                const float* xr = xrow(r) + e;
+                if (vec) {
+                    float4 t = *(const float4*)xr;
+                    acc[r] += w[0] * t.x + w[1] * t.y + w[2] * t.z + w[3] * t.w;
                 } else {
-                    for (int i = 0; i < m; i++) s += v[i] * xr[i];
+                    float s = 0.0f;
+                    for (int k = 0; k < 4 && e + k < cols; k++) s += w[k] * xr[k];
+                    acc[r] += s;
                 }
-                acc[r] += s;
             }
         }
     }
+    // Only the rows there are: a decode row's four loads per lane would otherwise
+    // be outweighed by eight reductions.
 #pragma unroll
     for (int r = 0; r < MM_ROWS; r++) {
-        float s = acc[r];
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffff, s, off);
-        if (lane == 0 && r < nr) store(r, s);
+        if (r < nr) {
+            float s = acc[r];
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffff, s, off);
+            if (lane == 0) part[warp][r] = s;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < nr) {
+        float s = 0.0f;
+        for (int w = 0; w < MM_WARPS; w++) s += part[w][threadIdx.x];
+        store(threadIdx.x, s);
     }
 }
 
@@ -201,15 +246,13 @@ struct DenseY {
     __device__ void operator()(int r, float s) const { y[(long long)(r0 + r) * out + o] = s; }
 };
 
-// y[r, o] = x[r, :] · W[o, :] for r < n, o < out. Grid (ceil(out / MM_WARPS),
-// ceil(n / MM_ROWS)), block 32 * MM_WARPS. Each warp reads its weight row once per
-// MM_ROWS input rows.
+// y[r, o] = x[r, :] · W[o, :] for r < n, o < out. Grid (out, ceil(n / MM_ROWS)),
+// block 32 * MM_WARPS. Each block reads its weight row once per MM_ROWS input rows.
 template <int F>
 __device__ void mm(const u8* w, long long row_bytes, int out, int cols, const float* x, int n, float* y) {
-    int o = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
-    if (o >= out) return;
+    int o = blockIdx.x;
     int r0 = blockIdx.y * MM_ROWS;
-    mm_warp<F>(w + (long long)o * row_bytes, cols, min(MM_ROWS, n - r0), DenseX{x, cols, r0}, DenseY{y, out, o, r0});
+    mm_block<F>(w + (long long)o * row_bytes, cols, min(MM_ROWS, n - r0), DenseX{x, cols, r0}, DenseY{y, out, o, r0});
 }
 
 // A grouped product's unit of work: compact rows start..start + n (n <= MM_ROWS) of
@@ -245,57 +288,50 @@ struct ScatterY {
 
 // Every routed expert of a layer in one launch: for each work item, y[yrow[j]] =
 // W_e · x[xrow[j]] over its compact rows j (an index array may be null: j itself).
-// Grid (ceil(out / MM_WARPS), items).
+// Grid (out, items).
 template <int F>
 __device__ void mm_grouped(const unsigned long long* ws, long long row_bytes, int out, int cols, const float* x,
                            const u32* xrow, const Work* work, float* y, const u32* yrow) {
-    int o = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
-    if (o >= out) return;
+    int o = blockIdx.x;
     Work it = work[blockIdx.y];
+    if (it.n == 0) return;
     const u8* row = (const u8*)ws[it.expert] + (long long)o * row_bytes;
-    mm_warp<F>(row, cols, it.n, GatherX{x, xrow, cols, it.start}, ScatterY{y, yrow, out, o, it.start});
+    mm_block<F>(row, cols, it.n, GatherX{x, xrow, cols, it.start}, ScatterY{y, yrow, out, o, it.start});
 }
 
-// out[i, :] = W[tokens[i], :] * scale. Grid (n, ceil(pieces / 128)), block 128.
+// out[i, :] = W[tokens[i], :] * scale. Grid (n, ceil(cols / 4 / 128)), block 128:
+// a thread per four elements.
 template <int F>
 __device__ void embed(const u8* w, long long row_bytes, int cols, const u32* tokens, float scale, float* out) {
     int i = blockIdx.x;
-    int p = blockIdx.y * blockDim.x + threadIdx.x;
-    if (32 * p >= cols) return;
-    float v[32];
-    deq32<F>(w + (long long)tokens[i] * row_bytes, p, cols, v);
-    float* o = out + (long long)i * cols + 32 * p;
-    int m = min(32, cols - 32 * p);
-    for (int k = 0; k < m; k++) o[k] = v[k] * scale;
+    int e = 4 * (blockIdx.y * blockDim.x + threadIdx.x);
+    if (e >= cols) return;
+    float v[4];
+    deq4<F>(w + (long long)tokens[i] * row_bytes, e, cols, v);
+    float* o = out + (long long)i * cols + e;
+    for (int k = 0; k < 4 && e + k < cols; k++) o[k] = v[k] * scale;
 }
 
+#ifdef SLUICE_FORMAT
+#define CAT2(a, b) a##b
+#define CAT(a, b) CAT2(a, b)
 #define FORMAT_KERNELS(F, name)                                                                         \
-    extern "C" __global__ void mmg_##name(const unsigned long long* ws, long long row_bytes, int out, int cols, \
+    extern "C" __global__ void CAT(mmg_, name)(const unsigned long long* ws, long long row_bytes, int out, int cols, \
                                           const float* x, const u32* xrow, const Work* work, float* y,        \
                                           const u32* yrow) {                                                  \
         mm_grouped<F>(ws, row_bytes, out, cols, x, xrow, work, y, yrow);                                      \
     }                                                                                                         \
-    extern "C" __global__ void mm_##name(const u8* w, long long row_bytes, int out, int cols,           \
+    extern "C" __global__ void CAT(mm_, name)(const u8* w, long long row_bytes, int out, int cols,           \
                                          const float* x, int n, float* y) {                             \
         mm<F>(w, row_bytes, out, cols, x, n, y);                                                        \
     }                                                                                                   \
-    extern "C" __global__ void embed_##name(const u8* w, long long row_bytes, int cols, const u32* tok, \
+    extern "C" __global__ void CAT(embed_, name)(const u8* w, long long row_bytes, int cols, const u32* tok, \
                                             float scale, float* out) {                                  \
         embed<F>(w, row_bytes, cols, tok, scale, out);                                                  \
     }
 
-FORMAT_KERNELS(F_F32, f32)
-FORMAT_KERNELS(F_F16, f16)
-FORMAT_KERNELS(F_BF16, bf16)
-FORMAT_KERNELS(F_Q8_0, q8_0)
-FORMAT_KERNELS(F_Q4_0, q4_0)
-FORMAT_KERNELS(F_Q4_1, q4_1)
-FORMAT_KERNELS(F_Q5_0, q5_0)
-FORMAT_KERNELS(F_Q5_1, q5_1)
-FORMAT_KERNELS(F_MXFP4, mxfp4)
-FORMAT_KERNELS(F_Q4K, q4_k)
-FORMAT_KERNELS(F_Q5K, q5_k)
-FORMAT_KERNELS(F_Q6K, q6_k)
+FORMAT_KERNELS(SLUICE_FORMAT, SLUICE_FORMAT_NAME)
+#else
 
 // ---- Element-wise operations (n elements; grid-stride loops) ----
 
@@ -418,78 +454,252 @@ struct RowMeta {
     int seq;
 };
 
-// Causal attention, one block per (head, row). Keys and values before `start` come
-// from the sequence's cache (device pointers kc[seq], vc[seq], a ring of `ring[seq]`
-// slots if nonzero), later ones from the chunk's own rows. `scores` holds max_len
-// floats per (row, head).
+// Warps per attention block; the most head dimensions a lane accumulates (32 lanes
+// x 16: heads of up to 512); the most blocks one row's positions are split over.
+#define ATT_WARPS 4
+#define ATT_DIMS 16
+#define ATT_MAX_SPLITS 16
+
+// Positions per block for a row attending to `len` positions: 64, or more once a
+// row would need more than ATT_MAX_SPLITS blocks. A function of the row alone, so
+// that a row's sums are the same in any batch.
+__device__ __forceinline__ int att_split_len(int len) {
+    int per = (len + ATT_MAX_SPLITS - 1) / ATT_MAX_SPLITS;
+    return max(64, (per + 63) / 64 * 64);
+}
+
+// Causal attention, split over positions: block (head, row, split) takes one run of
+// the row's positions and writes its partial (max score, sum of exponentials, and
+// the exponential-weighted sum of values) to `part`; attention_merge joins a row's
+// partials. Keys and values before `start` come from the sequence's cache (device
+// pointers kc[seq], vc[seq], a ring of `ring[seq]` slots if nonzero), later ones from
+// the chunk's own rows. A warp takes every ATT_WARPS-th position of the run with a
+// running maximum (online softmax), its lanes across the head's dimensions
+// (coalesced reads of each key and value row). `part` holds zdim partials of hd + 2
+// floats per (row, head); dynamic shared memory hd + ATT_WARPS * (hd + 2) floats.
 extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new,
                                      const unsigned long long* kc, const unsigned long long* vc, const int* ring,
                                      const RowMeta* meta, int n_heads, int n_kv_heads, int hd, float scale,
-                                     int window, float cap, float* scores, int max_len, float* out) {
-    extern __shared__ float qs[];
-    __shared__ float red[32];
-    int h = blockIdx.x, row = blockIdx.y;
+                                     int window, float cap, int zdim, float* part) {
+    extern __shared__ float smem[];
+    float* qs = smem;
+    int h = blockIdx.x, row = blockIdx.y, split = blockIdx.z;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     RowMeta m = meta[row];
-    int kv_dim = n_kv_heads * hd, kvh = h / (n_heads / n_kv_heads);
     int lo = window > 0 ? max(0, m.pos + 1 - window) : 0;
     int len = m.pos + 1 - lo;
+    int sl = att_split_len(len);
+    int t0 = split * sl, t1 = min(len, t0 + sl);
+    if (t0 >= len) return;  // the merge reads only the row's own splits
+    int kv_dim = n_kv_heads * hd, kvh = h / (n_heads / n_kv_heads);
     const float* kcache = (const float*)kc[m.seq];
     const float* vcache = (const float*)vc[m.seq];
     int rg = ring[m.seq];
     const float* qv = q + ((long long)row * n_heads + h) * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qv[d];
     __syncthreads();
-    float* sc = scores + ((long long)row * n_heads + h) * max_len;
-    float mx = __int_as_float(0xff800000);  // -inf
-    for (int t = threadIdx.x; t < len; t += blockDim.x) {
+    const float NEG = __int_as_float(0xff800000);  // -inf
+    float mx = NEG, l = 0.0f;
+    float acc[ATT_DIMS];
+#pragma unroll
+    for (int i = 0; i < ATT_DIMS; i++) acc[i] = 0.0f;
+    for (int t = t0 + warp; t < t1; t += ATT_WARPS) {
         int j = lo + t;
-        const float* kr = j < m.start ? kcache + (long long)(rg > 0 ? j % rg : j) * kv_dim
-                                      : k_new + (long long)(m.first + j - m.start) * kv_dim;
-        kr += kvh * hd;
+        long long at = j < m.start ? (long long)(rg > 0 ? j % rg : j) * kv_dim : -1;
+        const float* kr = (at >= 0 ? kcache + at : k_new + (long long)(m.first + j - m.start) * kv_dim) + kvh * hd;
+        const float* vr = (at >= 0 ? vcache + at : v_new + (long long)(m.first + j - m.start) * kv_dim) + kvh * hd;
         float s = 0.0f;
-        for (int d = 0; d < hd; d++) s += qs[d] * kr[d];
+        for (int d = lane; d < hd; d += 32) s += qs[d] * kr[d];
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
         s *= scale;
         if (cap > 0.0f) s = tanhf(s / cap) * cap;
-        sc[t] = s;
-        mx = fmaxf(mx, s);
-    }
-    // Block max, then the sum of exponentials.
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_down_sync(0xffffffff, mx, off));
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    if (lane == 0) red[warp] = mx;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float v = red[0];
-        for (int w = 1; w < warps; w++) v = fmaxf(v, red[w]);
-        red[0] = v;
-    }
-    __syncthreads();
-    mx = red[0];
-    __syncthreads();
-    float sum = 0.0f;
-    for (int t = threadIdx.x; t < len; t += blockDim.x) {
-        float e = expf(sc[t] - mx);
-        sc[t] = e;
-        sum += e;
-    }
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffff, sum, off);
-    if (lane == 0) red[warp] = sum;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float v = 0.0f;
-        for (int w = 0; w < warps; w++) v += red[w];
-        red[0] = v;
-    }
-    __syncthreads();
-    float inv = 1.0f / red[0];
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int t = 0; t < len; t++) {
-            int j = lo + t;
-            const float* vr = j < m.start ? vcache + (long long)(rg > 0 ? j % rg : j) * kv_dim
-                                          : v_new + (long long)(m.first + j - m.start) * kv_dim;
-            acc += sc[t] * vr[kvh * hd + d];
+        float mn = fmaxf(mx, s);
+        float c = expf(mx - mn), p = expf(s - mn);
+        l = l * c + p;
+#pragma unroll
+        for (int i = 0; i < ATT_DIMS; i++) {
+            int d = lane + 32 * i;
+            if (d < hd) acc[i] = acc[i] * c + p * vr[d];
         }
-        out[((long long)row * n_heads + h) * hd + d] = acc * inv;
+        mx = mn;
+    }
+    // The warps' partials, joined in warp order.
+    float* wp = smem + hd + warp * (hd + 2);
+    if (lane == 0) {
+        wp[0] = mx;
+        wp[1] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < ATT_DIMS; i++) {
+        int d = lane + 32 * i;
+        if (d < hd) wp[2 + d] = acc[i];
+    }
+    __syncthreads();
+    float M = NEG;
+    for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, smem[hd + w * (hd + 2)]);
+    float* pp = part + (((long long)row * n_heads + h) * zdim + split) * (hd + 2);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < ATT_WARPS; w++) {
+            const float* x = smem + hd + w * (hd + 2);
+            if (x[1] > 0.0f) o += x[2 + d] * expf(x[0] - M);
+        }
+        pp[2 + d] = o;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        for (int w = 0; w < ATT_WARPS; w++) {
+            const float* x = smem + hd + w * (hd + 2);
+            if (x[1] > 0.0f) L += x[1] * expf(x[0] - M);
+        }
+        pp[0] = M;
+        pp[1] = L;
     }
 }
+
+// out[row, head] = the join of the row's attention partials, in split order. Grid
+// (heads, rows), block 128.
+extern "C" __global__ void attention_merge(const float* part, const RowMeta* meta, int n_heads, int hd, int window,
+                                           int zdim, float* out) {
+    int h = blockIdx.x, row = blockIdx.y;
+    RowMeta m = meta[row];
+    int lo = window > 0 ? max(0, m.pos + 1 - window) : 0;
+    int len = m.pos + 1 - lo;
+    int sl = att_split_len(len), ns = (len + sl - 1) / sl;
+    const float* base = part + ((long long)row * n_heads + h) * zdim * (hd + 2);
+    float M = __int_as_float(0xff800000);
+    for (int s = 0; s < ns; s++) M = fmaxf(M, base[s * (hd + 2)]);
+    float L = 0.0f;
+    for (int s = 0; s < ns; s++) L += base[s * (hd + 2) + 1] * expf(base[s * (hd + 2)] - M);
+    float inv = 1.0f / L;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < ns; s++) o += base[s * (hd + 2) + 2 + d] * expf(base[s * (hd + 2)] - M);
+        out[((long long)row * n_heads + h) * hd + d] = o * inv;
+    }
+}
+
+// ---- Routing ----
+
+#define ROUTE_MAX_PER_LANE 8  // experts per lane: up to 256 experts
+
+// Each row's top-k experts and weights, one warp per row (block 128: four rows), as
+// sluice_cpu::router chooses them: kind 0 softmax then top-k (renormalised over the
+// k if `renorm`), kind 1 top-k of the logits then softmax over the k. Ties go to the
+// lower expert index, as the CPU's top-k breaks them. `bias` (may be null) is added
+// to the logits first; `scale` (may be null) multiplies each chosen weight.
+extern "C" __global__ void route_top_k(const float* logits, int rows, int e, int k, int kind, int renorm,
+                                       const float* bias, const float* scale, u32* ids, float* weights) {
+    int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const float NEG = __int_as_float(0xff800000);
+    float v[ROUTE_MAX_PER_LANE];
+    float mx = NEG;
+#pragma unroll
+    for (int j = 0; j < ROUTE_MAX_PER_LANE; j++) {
+        int x = lane + 32 * j;
+        v[j] = x < e ? logits[(long long)row * e + x] + (bias ? bias[x] : 0.0f) : NEG;
+        mx = fmaxf(mx, v[j]);
+    }
+    if (kind == 0) {
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ROUTE_MAX_PER_LANE; j++) {
+            v[j] = lane + 32 * j < e ? expf(v[j] - mx) : 0.0f;
+            sum += v[j];
+        }
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
+#pragma unroll
+        for (int j = 0; j < ROUTE_MAX_PER_LANE; j++) v[j] = lane + 32 * j < e ? v[j] / sum : NEG;
+    }
+    // k rounds of a warp arg-max over the experts not chosen yet.
+    u32 taken = 0;
+    float chosen_v = 0.0f, total = 0.0f, top = NEG;
+    int chosen_i = 0;
+    for (int r = 0; r < k; r++) {
+        float bv = NEG;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < ROUTE_MAX_PER_LANE; j++) {
+            int x = lane + 32 * j;
+            if (x < e && !(taken >> j & 1) && (v[j] > bv || bi == 0x7fffffff)) {
+                bv = v[j];
+                bi = x;
+            }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffff, bv, off);
+            int oi = __shfl_xor_sync(0xffffffff, bi, off);
+            if (ov > bv || (ov == bv && oi < bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+        if (r == 0) top = bv;
+        if (lane == r) {
+            chosen_v = bv;
+            chosen_i = bi;
+        }
+        total += kind == 0 ? bv : expf(bv - top);
+    }
+    if (lane < k) {
+        float w = kind == 0 ? (renorm ? chosen_v / total : chosen_v) : expf(chosen_v - top) / total;
+        if (scale) w *= scale[chosen_i];
+        ids[(long long)row * k + lane] = chosen_i;
+        weights[(long long)row * k + lane] = w;
+    }
+}
+
+// The grouped products' plan from the routing: the (row, slot)s of `j` = rows * k
+// routed to each expert, expert after expert (slots in order within one), as
+// `slots` and their rows; `expert_of` each compact row's expert; work items of up to
+// MM_ROWS compact rows of one expert, the `n_work` items padded with empty ones. One
+// block; a thread per expert (looping if there are more experts than threads).
+extern "C" __global__ void plan_experts(const u32* ids, int j, int k, int e, u32* slots, u32* rows, u32* expert_of,
+                                        Work* work, int n_work) {
+    extern __shared__ int count[];  // e counts, then e starts, then e first work items
+    int* start = count + e;
+    int* first = start + e;
+    for (int x = threadIdx.x; x < e; x += blockDim.x) {
+        int c = 0;
+        for (int s = 0; s < j; s++) c += ids[s] == (u32)x;
+        count[x] = c;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int at = 0, w = 0;
+        for (int x = 0; x < e; x++) {
+            start[x] = at;
+            first[x] = w;
+            at += count[x];
+            w += (count[x] + MM_ROWS - 1) / MM_ROWS;
+        }
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < e; x += blockDim.x) {
+        int at = start[x];
+        for (int s = 0; s < j; s++) {
+            if (ids[s] == (u32)x) {
+                slots[at] = s;
+                rows[at] = s / k;
+                expert_of[at] = x;
+                at++;
+            }
+        }
+        for (int i = 0; i * MM_ROWS < count[x]; i++) {
+            Work it;
+            it.expert = x;
+            it.start = start[x] + i * MM_ROWS;
+            it.n = min(MM_ROWS, count[x] - i * MM_ROWS);
+            it.pad = 0;
+            work[first[x] + i] = it;
+        }
+    }
+    __syncthreads();
+    int used = first[e - 1] + (count[e - 1] + MM_ROWS - 1) / MM_ROWS;
+    for (int i = used + threadIdx.x; i < n_work; i += blockDim.x) work[i] = Work{0, 0, 0, 0};
+}
+
+#endif  // SLUICE_FORMAT

@@ -6,20 +6,23 @@
 //! instead of failing inside the loader. Weights stay in their stored format on the
 //! device and every product dequantizes them as it reads them, in f32.
 //!
-//! What this first version does and does not yet do:
+//! What it does and does not yet do:
 //! - every operation of [`sluice_engine::backend::Backend`] on the device, for every
-//!   weight format sluice reads, one sequence or a batch;
-//! - routing: the router's logits come back to the host and the CPU's router chooses
-//!   (the same choice as the CPU backend's); a device top-k comes next;
-//! - routed experts are copied from the host store (any residency: memory, mapped,
-//!   streamed from disk) to the device at first use and kept in a VRAM tier, least
-//!   recently used out first, while the GPU has room; pinned host buffers, copies
-//!   overlapping compute and the pilot's read-ahead into VRAM come next;
-//! - products run on CUDA cores (one warp per output row, eight input rows per pass
-//!   over the weights), not yet tensor cores.
+//!   weight format sluice reads, one sequence or a batch; kernels compiled by NVRTC per
+//!   weight format at first use and cached on disk (`device.rs`);
+//! - routing on the device (every router kind but DeepSeek's group-limited sigmoid,
+//!   which is routed on the host); the grouped expert products plan their work from
+//!   the device's routing, so a layer the VRAM tier holds whole never waits for the
+//!   host;
+//! - routed experts copied to the device at load when all of them fit, else at first
+//!   use from the host store (any residency) and kept in a VRAM tier, least recently
+//!   used out first; pinned host buffers, copies overlapping compute, the pilot's
+//!   read-ahead into VRAM and CUDA graphs come next;
+//! - products on CUDA cores (a block of four warps per output row, eight input rows
+//!   per pass over the weights), not yet tensor cores.
 
 mod backend;
 mod device;
 
 pub use backend::{Cuda, DevAct, DevExperts, DevKv, DevMat, DevRouting, DevVector, ExpertTraffic};
-pub use device::{compile, probe};
+pub use device::{Unit, compile, probe};

@@ -10,9 +10,9 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{Rng, random_input, random_matrix};
-use sluice_core::{DType, MatRef};
+use sluice_core::{DType, MatRef, RouterKind};
 use sluice_cuda::Cuda;
-use sluice_engine::backend::Backend;
+use sluice_engine::backend::{Backend, RouterOp};
 use sluice_engine::model::StepStats;
 use sluice_engine::{Chunk, Logits, Model};
 use sluice_formats::Checkpoint;
@@ -33,7 +33,9 @@ fn every_format_against_dequantized_f64() {
     let Some(be) = gpu() else { return };
     let mut rng = Rng(11);
     for dtype in DType::ALL {
-        for (rows, cols) in [(67, 256), (300, 1536), (5, 4096)] {
+        // Plain formats also with a row length that is not a multiple of four.
+        let odd = if dtype.block_elems() == 1 { &[(3, 37)][..] } else { &[] };
+        for &(rows, cols) in [(67, 256), (300, 1536), (5, 4096)].iter().chain(odd) {
             let bytes = random_matrix(dtype, rows, cols, &mut rng);
             let m = MatRef::new(dtype, rows, cols, &bytes).unwrap();
             let w: Vec<Vec<f32>> = (0..rows)
@@ -190,7 +192,12 @@ fn vram_tier_sizes_agree_bitwise() {
             }
             out
         };
-        let unbounded = run(be.with_expert_budget(usize::MAX));
+        // Room for all: every expert copied at load, each layer served whole without
+        // the routing coming back to the host.
+        let big = be.with_expert_budget(usize::MAX);
+        let unbounded = run(big.clone());
+        let t = big.expert_traffic();
+        assert!(t.whole_layers > 0 && t.host_fills == 0, "{name}: an unbounded tier did not hold whole layers: {t:?}");
         let none = run(be.with_expert_budget(0));
         let moe: Vec<_> =
             ckpt.spec.layers.iter().enumerate().filter_map(|(l, s)| s.moe.as_ref().map(|m| (l, m))).collect();
@@ -203,5 +210,90 @@ fn vram_tier_sizes_agree_bitwise() {
         let t = small.expert_traffic();
         eprintln!("{name}, a quarter of the experts in VRAM: {t:?}");
         assert!(t.vram_hits > 0 && t.evictions > 0, "{name}: the tier was neither hit nor full: {t:?}");
+    }
+}
+
+/// The device's router against the CPU's for every kind it runs (softmax then top-k,
+/// with and without renormalising, Gemma 4's scaled form, top-k then softmax), with
+/// and without a logit bias, 8 to 256 experts, top-1 to top-8: the same experts in the same
+/// order, weights within 1e-5 (the GPU's expf); tied logits go to the lower expert.
+#[test]
+fn routing_on_the_device_chooses_as_the_cpu() {
+    let Some(be) = gpu() else { return };
+    let mut rng = Rng(5);
+    let kinds = [
+        RouterKind::Softmax { normalize_top_k: false },
+        RouterKind::Softmax { normalize_top_k: true },
+        RouterKind::Gemma4,
+        RouterKind::TopKSoftmax,
+    ];
+    for kind in kinds {
+        for (e, k) in [(8, 2), (64, 1), (128, 8), (256, 8)] {
+            let rows = 37;
+            let mut logits = random_input(rows, e, &mut rng);
+            // Row 0: every logit tied (and no bias to part them, for half the shapes).
+            logits[..e].fill(0.25);
+            let bias = if e < 100 { vec![0.0; e] } else { random_input(1, e, &mut rng) };
+            let scale: Vec<f32> = random_input(1, e, &mut rng).iter().map(|v| 1.0 + v.abs()).collect();
+            let scaled = matches!(kind, RouterKind::Gemma4);
+            let op = RouterOp {
+                kind,
+                n_experts: e,
+                top_k: k,
+                logit_bias: Some(be.vector_from_host(&bias).unwrap()),
+                choice_bias: None,
+                expert_scale: scaled.then(|| be.vector_from_host(&scale).unwrap()),
+            };
+            let r = be.route(&be.act_from_host(rows, e, &logits).unwrap(), &op).unwrap();
+            let ids = be.routing_ids(&r).unwrap();
+            let weights = be.routing_weights(&r).unwrap();
+            let p = sluice_cpu::router::RouteParams {
+                kind,
+                n_experts: e,
+                top_k: k,
+                logit_bias: Some(&bias),
+                choice_bias: None,
+                expert_scale: scaled.then_some(scale.as_slice()),
+            };
+            let (mut want_ids, mut want_w) = (Vec::new(), Vec::new());
+            sluice_cpu::router::route(&logits, &p, &mut want_ids, &mut want_w);
+            assert_eq!(ids, want_ids, "{kind:?}, {e} experts, top-{k}: experts");
+            for (i, (a, b)) in weights.iter().zip(&want_w).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * b.abs().max(1e-3),
+                    "{kind:?}, {e} experts, top-{k}, slot {i}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+/// Sequences long enough that attention splits a row's positions over several
+/// blocks (runs of 64): 200 tokens of prompt and 40 decoded, on the GPU against the
+/// CPU backend on the same fixture (f32 weights: both compute in f32).
+#[test]
+fn long_sequences_against_the_cpu() {
+    let Some(be) = gpu() else { return };
+    for name in ["qwen3", "qwen3-moe", "gemma4-moe"] {
+        let ckpt = Checkpoint::open(&fixtures().join(name)).unwrap();
+        let tokens: Vec<u32> = (0..240u32).map(|i| (i * 37 + 11) % 512).collect();
+        let run = |gpu: Option<&Cuda>| -> Vec<f32> {
+            fn go<B: Backend>(model: Model<B>, tokens: &[u32]) -> Vec<f32> {
+                let mut s = model.session().unwrap();
+                let mut out = s.forward(&tokens[..200], Logits::Last).unwrap();
+                for &t in &tokens[200..] {
+                    out.extend(s.forward(&[t], Logits::Last).unwrap());
+                }
+                out
+            }
+            match gpu {
+                Some(be) => go(Model::load(be.clone(), &ckpt).unwrap(), &tokens),
+                None => go(Model::load(sluice_engine::backend::Cpu::default(), &ckpt).unwrap(), &tokens),
+            }
+        };
+        let (g, c) = (run(Some(&be)), run(None));
+        let e = rel_err(&g, &c);
+        eprintln!("{name}: 240 tokens, GPU against CPU {e:.2e}");
+        assert!(e <= 1e-3, "{name}: 240 tokens on the GPU differ from the CPU by {e:e} of the largest logit");
     }
 }

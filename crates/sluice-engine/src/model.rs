@@ -128,14 +128,16 @@ impl<B: Backend> Model<B> {
         be: B,
         ckpt: &Checkpoint,
         opts: &LoadOptions,
-        progress: Option<&mut dyn FnMut(u64, u64)>,
+        mut progress: Option<&mut dyn FnMut(u64, u64)>,
     ) -> Result<Model<B>> {
         let net: Box<dyn Network<B>> = match ckpt.family() {
             Family::Gemma if ckpt.spec.arch == "gemma4" => Box::new(Gemma4::load(&be, ckpt)?),
             Family::Gemma => Box::new(Gemma3::load(&be, ckpt)?),
             Family::Llama => Box::new(Llama::load(&be, ckpt)?),
         };
-        let store = ExpertStore::open(ckpt, &opts.store, progress)?;
+        let store =
+            ExpertStore::open(ckpt, &opts.store, progress.as_mut().map(|p| &mut **p as &mut dyn FnMut(u64, u64)))?;
+        be.adopt_experts(&store, progress)?;
         Ok(Model {
             spec: ckpt.spec.clone(),
             max_context: ckpt.spec.max_context,

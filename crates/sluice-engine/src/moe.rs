@@ -80,12 +80,13 @@ impl<B: Backend> Moe<B> {
     pub fn forward(&self, cx: &mut Cx<'_, B>, x: &B::Act, h: &B::Act) -> Result<B::Act> {
         cx.probe_next(self.layer, x)?;
         let routing = self.route(cx, x)?;
-        let ids = cx.be.routing_ids(&routing)?;
-        let experts = unique(&ids);
-        cx.observe(self.layer, &experts);
+        if cx.pilot.is_some() {
+            let chosen = unique(&cx.be.routing_ids(&routing)?);
+            cx.observe(self.layer, &chosen);
+        }
         let (be, store, layer) = (cx.be, cx.store, self.layer);
         let t = Instant::now();
-        let out = be.fetch_experts(store, layer, &experts).and_then(|f| {
+        let out = be.fetch_routed(store, layer, &routing).and_then(|f| {
             let fetched = t.elapsed();
             let out = be.moe(h, &routing, &f, &self.ffn);
             // The products ran as the experts arrived: what they waited for is
@@ -95,16 +96,18 @@ impl<B: Backend> Moe<B> {
             cx.timers.expert_compute += t.elapsed().saturating_sub(fetched + waited);
             out
         });
-        out.inspect_err(|_| cx.affected = Some(self.affected_by_failure(cx, &ids)))
+        out.inspect_err(|_| cx.affected = self.affected_by_failure(cx, &routing))
     }
 
     /// After the experts failed: the sequences whose own experts cannot be fetched
     /// (each tried alone, so a read that fails again names who needs it). Empty if
     /// every one succeeds on its own (the failure was passing); the step is then
     /// retried.
-    fn affected_by_failure(&self, cx: &Cx<'_, B>, ids: &[u32]) -> Vec<usize> {
+    fn affected_by_failure(&self, cx: &Cx<'_, B>, routing: &B::Routing) -> Option<Vec<usize>> {
         let k = self.op.top_k;
-        cx.batch
+        let ids = cx.be.routing_ids(routing).ok()?;
+        let affected = cx
+            .batch
             .seqs
             .iter()
             .enumerate()
@@ -113,7 +116,8 @@ impl<B: Backend> Moe<B> {
                 cx.be.fetch_experts(cx.store, self.layer, &own).and_then(|f| cx.be.experts_ready(&f)).is_err()
             })
             .map(|(i, _)| i)
-            .collect()
+            .collect();
+        Some(affected)
     }
 }
 

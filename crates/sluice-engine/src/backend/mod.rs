@@ -134,6 +134,25 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// tiers, or from the backend's own. Reads may still be under way when it returns
     /// ([`Backend::moe`] computes each expert as it arrives).
     fn fetch_experts<'s>(&self, store: &'s ExpertStore, layer: usize, ids: &[usize]) -> Result<Self::Experts<'s>>;
+    /// Makes the experts `routing` chose at `layer` available to [`Backend::moe`]. A
+    /// backend that holds a whole layer itself needs no ids on the host (a device
+    /// backend then skips waiting for the router); by default, the ids come back
+    /// and [`Backend::fetch_experts`] gets their union.
+    fn fetch_routed<'s>(
+        &self,
+        store: &'s ExpertStore,
+        layer: usize,
+        routing: &Self::Routing,
+    ) -> Result<Self::Experts<'s>> {
+        let ids = self.routing_ids(routing)?;
+        self.fetch_experts(store, layer, &crate::moe::unique(&ids))
+    }
+    /// Copies the store's experts into the backend's own tier ahead of their first
+    /// use, where it has room for all of them (`progress` sees bytes copied of the
+    /// total); by default the backend has no tier of its own and does nothing.
+    fn adopt_experts(&self, _store: &ExpertStore, _progress: Option<&mut dyn FnMut(u64, u64)>) -> Result<()> {
+        Ok(())
+    }
     /// Blocks until every one of `experts` is available, or one cannot be.
     fn experts_ready(&self, experts: &Self::Experts<'_>) -> Result<()>;
     /// How long [`Backend::moe`] waited for `experts` to arrive.
