@@ -414,3 +414,25 @@ fn plan_places_and_predicts() {
     assert_one_error(&sluice(&["plan", "--model", m, "--record-routing", "/tmp/x.json"]), "--routing");
     assert_one_error(&sluice(&["plan", "--model", m, "--routing", "/nonexistent/routing.json"]), "routing.json");
 }
+
+/// The GPU flags: `--gpu-memory` with the CPU backend is a usage error naming it;
+/// `--backend cuda` where CUDA cannot be used says why in one line, and where it can,
+/// matches the reference; `--backend auto` runs and matches the reference either way.
+#[test]
+fn gpu_flags_fail_cleanly_or_match_the_reference() {
+    let m = fixture("qwen3-moe");
+    let m = m.to_str().unwrap();
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpu-flags.f32");
+    let out = out.to_str().unwrap();
+    let base = ["logits", "--model", m, "--tokens", "1,2", "--out", out];
+    let with = |extra: &[&str]| sluice(&[&base[..], extra].concat());
+    assert_one_error(&with(&["--gpu-memory", "4GiB"]), "--gpu-memory");
+    assert_one_error(&with(&["--backend", "cpu", "--gpu-memory", "4GiB"]), "--gpu-memory");
+    match sluice_cuda::probe() {
+        Some(why) => assert_one_error(&with(&["--backend", "cuda"]), &why),
+        None => {
+            logits_matching_reference("qwen3-moe", "cuda", &["--backend", "cuda"]);
+        }
+    }
+    logits_matching_reference("qwen3-moe", "auto", &["--backend", "auto"]);
+}
