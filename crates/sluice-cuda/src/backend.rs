@@ -183,6 +183,13 @@ fn attention_splits(len: usize) -> usize {
     len.div_ceil(run).max(1)
 }
 
+/// See [`Cuda::constant`]: the constants by content, and the generation before.
+#[derive(Default)]
+struct Constants {
+    current: HashMap<Vec<u8>, CudaSlice<u8>>,
+    retired: HashMap<Vec<u8>, CudaSlice<u8>>,
+}
+
 /// Distinct constants kept on the device before the cache of them starts again.
 const CONSTANTS_KEPT: usize = 1024;
 
@@ -196,7 +203,7 @@ pub struct Cuda {
     /// Most device bytes this process may take, and the device's use when it opened.
     limit: Option<(usize, usize)>,
     /// See [`Cuda::constant`].
-    constants: Arc<Mutex<HashMap<Vec<u8>, CudaSlice<u8>>>>,
+    constants: Arc<Mutex<Constants>>,
 }
 
 impl Cuda {
@@ -327,21 +334,23 @@ impl Cuda {
 
     /// Host data in device memory that stays as it is (positions, frequencies,
     /// attention's tables): uploaded once for each distinct content and found again
-    /// for the next layer and step. Its address, valid while the cache holds it (it
-    /// is cleared now and then; freeing is ordered after the kernels that read it).
+    /// for the next layer and step. Its address stays valid for the operation that
+    /// asked, whose kernels are queued before the buffer can be freed: when the cache
+    /// is full its entries become the retired generation, freed only at the next
+    /// turn, some thousand constants later (an operation asks for a handful).
     fn constant<T: Copy>(&self, data: &[T]) -> Result<u64> {
         // SAFETY: plain values (integers, floats and their structs) seen as bytes.
         let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
         let mut c = self.constants.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(d) = c.get(bytes) {
+        if let Some(d) = c.current.get(bytes) {
             return Ok(self.p(d));
         }
-        if c.len() >= CONSTANTS_KEPT {
-            c.clear();
+        if c.current.len() >= CONSTANTS_KEPT {
+            c.retired = std::mem::take(&mut c.current);
         }
         let d = self.dev.upload(bytes)?;
         let p = self.p(&d);
-        c.insert(bytes.to_vec(), d);
+        c.current.insert(bytes.to_vec(), d);
         Ok(p)
     }
 
