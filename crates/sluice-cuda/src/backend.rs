@@ -229,9 +229,14 @@ impl Cuda {
 
     /// Device bytes this process has taken since it opened the GPU, and its limit.
     fn taken(&self) -> Result<Option<(usize, usize)>> {
-        let Some((limit, at_open)) = self.limit else { return Ok(None) };
         let (free, total) = self.dev.memory()?;
-        Ok(Some(((total - free).saturating_sub(at_open), limit)))
+        Ok(self.taken_of(free, total))
+    }
+
+    /// [`Cuda::taken`] from a reading of free and total device memory.
+    fn taken_of(&self, free: usize, total: usize) -> Option<(usize, usize)> {
+        let (limit, at_open) = self.limit?;
+        Some(((total - free).saturating_sub(at_open), limit))
     }
 
     /// The same GPU with a VRAM expert tier of its own, bounded to `bytes` (0: no
@@ -255,8 +260,8 @@ impl Cuda {
             Some(b) => b.saturating_sub(t.bytes),
             None => free.saturating_sub(VRAM_HEADROOM),
         };
-        if let Some((limit, at_open)) = self.limit {
-            room = room.min(limit.saturating_sub((total - free).saturating_sub(at_open)));
+        if let Some((used, limit)) = self.taken_of(free, total) {
+            room = room.min(limit.saturating_sub(used));
         }
         Ok(room)
     }

@@ -312,12 +312,18 @@ impl Device {
     /// An intermediate holding `host`.
     pub fn upload_scratch<T: Pooled>(&self, host: &[T]) -> Result<Scratch<T>> {
         let mut d = self.scratch::<T>(host.len())?;
+        self.copy_in(host, &mut d)?;
+        Ok(d)
+    }
+
+    /// Copies `host` to the start of `d`.
+    fn copy_in<T: DeviceRepr>(&self, host: &[T], d: &mut CudaSlice<T>) -> Result<()> {
         if !host.is_empty() {
             self.stream
                 .memcpy_htod(host, &mut d.slice_mut(..host.len()))
                 .map_err(|e| fail(&format!("copying {} bytes to the GPU", std::mem::size_of_val(host)), e))?;
         }
-        Ok(d)
+        Ok(())
     }
 
     /// An intermediate of `len` zeros.
@@ -336,11 +342,7 @@ impl Device {
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         let from = Instant::now();
         let mut d = self.alloc::<T>(host.len())?;
-        if !host.is_empty() {
-            self.stream
-                .memcpy_htod(host, &mut d.slice_mut(..host.len()))
-                .map_err(|e| fail(&format!("copying {} bytes to the GPU", std::mem::size_of_val(host)), e))?;
-        }
+        self.copy_in(host, &mut d)?;
         self.traced("upload", from)?;
         Ok(d)
     }
