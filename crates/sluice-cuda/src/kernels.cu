@@ -183,6 +183,30 @@ __device__ __forceinline__ void deq4(const u8* row, int e, int cols, float* v) {
 #define MM_WARPS 4
 #define MM_ROWS 8
 
+// mm_block's loop over the weight row for exactly NR input rows (rows nr.. repeat
+// row nr - 1), into acc[0..NR).
+template <int F, int NR, class X>
+__device__ __forceinline__ void rows_loop(const u8* row, int cols, int nr, X xrow, float* acc) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float* xs[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) xs[r] = xrow(min(r, nr - 1));
+    float a[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) a[r] = 0.0f;
+    for (int e = 4 * lane + 128 * warp; e < cols; e += 128 * MM_WARPS) {
+        float w[4];
+        deq4<F>(row, e, cols, w);
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            float4 t = *(const float4*)(xs[r] + e);
+            a[r] += w[0] * t.x + w[1] * t.y + w[2] * t.z + w[3] * t.w;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; r++) acc[r] = a[r];
+}
+
 // The shared body of the products: the block computes output `o` of up to MM_ROWS
 // input rows against weight row `row`; warp w takes every fourth run of 128
 // elements, each lane four consecutive elements of a run (coalesced reads of
@@ -196,17 +220,23 @@ __device__ __forceinline__ void mm_block(const u8* row, int cols, int nr, X xrow
 #pragma unroll
     for (int r = 0; r < MM_ROWS; r++) acc[r] = 0.0f;
     bool vec = (cols & 3) == 0;
-    for (int e = 4 * lane + 128 * warp; e < cols; e += 128 * MM_WARPS) {
-        float w[4];
-        deq4<F>(row, e, cols, w);
+    // Whole runs of four (every format but a plain one of odd length): the loop for
+    // a fixed number of rows, without a test per row. nr between the sizes computes
+    // its last row again in the spare ones; each row's sum is the same expression in
+    // every case, so a row's bits do not depend on the rows beside it.
+    if (vec) {
+        if (nr == 1) rows_loop<F, 1>(row, cols, nr, xrow, acc);
+        else if (nr == 2) rows_loop<F, 2>(row, cols, nr, xrow, acc);
+        else if (nr <= 4) rows_loop<F, 4>(row, cols, nr, xrow, acc);
+        else rows_loop<F, 8>(row, cols, nr, xrow, acc);
+    } else {
+        for (int e = 4 * lane + 128 * warp; e < cols; e += 128 * MM_WARPS) {
+            float w[4];
+            deq4<F>(row, e, cols, w);
 #pragma unroll
-        for (int r = 0; r < MM_ROWS; r++) {
-            if (r < nr) {
-                const float* xr = xrow(r) + e;
-                if (vec) {
-                    float4 t = *(const float4*)xr;
-                    acc[r] += w[0] * t.x + w[1] * t.y + w[2] * t.z + w[3] * t.w;
-                } else {
+            for (int r = 0; r < MM_ROWS; r++) {
+                if (r < nr) {
+                    const float* xr = xrow(r) + e;
                     float s = 0.0f;
                     for (int k = 0; k < 4 && e + k < cols; k++) s += w[k] * xr[k];
                     acc[r] += s;

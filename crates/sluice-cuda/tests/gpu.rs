@@ -26,7 +26,7 @@ fn gpu() -> Option<Cuda> {
     Some(Cuda::open(0).expect("a GPU that the driver sees opens"))
 }
 
-/// Each format's product for 1, 5 and 9 input rows, and its embedding, against
+/// Each format's product for 1, 3, 5 and 9 input rows (each row bitwise as alone), and its embedding, against
 /// float64 sums over `sluice_core::quant::dequantize_row`.
 #[test]
 fn every_format_against_dequantized_f64() {
@@ -46,10 +46,19 @@ fn every_format_against_dequantized_f64() {
                 })
                 .collect();
             let dm = be.upload_mat(m).unwrap();
-            for n in [1, 5, 9] {
+            for n in [1, 3, 5, 9] {
                 let x = random_input(n, cols, &mut rng);
                 let xa = be.act_from_host(n, cols, &x).unwrap();
                 let y = be.to_host(&be.matmul(&xa, &dm).unwrap()).unwrap();
+                // The products take 1, 2, 4 or 8 rows at a time: a row's result is the
+                // same whatever the rows beside it.
+                let i = n / 2;
+                let one = be.act_from_host(1, cols, &x[i * cols..(i + 1) * cols]).unwrap();
+                let alone = be.to_host(&be.matmul(&one, &dm).unwrap()).unwrap();
+                assert!(
+                    alone == y[i * rows..(i + 1) * rows],
+                    "{dtype} {rows}x{cols}: row {i} of {n} differs from it alone"
+                );
                 for i in 0..n {
                     let xr = &x[i * cols..(i + 1) * cols];
                     for (o, wr) in w.iter().enumerate() {

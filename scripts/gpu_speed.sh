@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine after scripts/gpu_check.sh's set-up (devbin/sluice, NVRTC on
+# LD_LIBRARY_PATH): makes the Qwen3-30B-A3B geometry with `sluice synth` and times the
+# CUDA backend on it, one line per measurement (medians of three runs), for
+# scripts/device-notes.md. SPEED_TRACE=1 adds a per-kernel table of 64 decode steps
+# and of one prompt (SLUICE_CUDA_TRACE=sync: each launch waited for; cpu: the host's
+# time per call).
+set -uo pipefail
+m=${SPEED_MODEL:-/tmp/q30.gguf}
+[ -f "$m" ] || devbin/sluice synth --geometry qwen3-30b-a3b --skew 0.9 --out "$m" >/dev/null || exit 1
+b() {
+    devbin/sluice bench -m "$m" --backend cuda --residency resident --no-roofline --json "$@" 2>/dev/null | tail -1 |
+        python3 -c 'import json, sys; j = json.load(sys.stdin); print("prefill %.1f tok/s, decode %.2f tok/s (%.2f per sequence)" % (j["prefill_tok_s"], j["decode_tok_s"], j["decode_tok_s_per_sequence"]))'
+}
+echo "prefill 512:   $(b --prompt-tokens 512 --gen-tokens 1)"
+echo "decode:        $(b --prompt-tokens 512 --gen-tokens 64)"
+echo "8 sequences:   $(b --prompt-tokens 64 --gen-tokens 32 --parallel 8)"
+if [ -n "${SPEED_TRACE:-}" ]; then
+    for mode in sync cpu; do
+        for run in "prefill --prompt-tokens 512 --gen-tokens 1" "decode --prompt-tokens 8 --gen-tokens 64"; do
+            set -- $run
+            echo "== trace $mode, $1"
+            shift
+            SLUICE_CUDA_TRACE=$mode devbin/sluice bench -m "$m" --backend cuda --residency resident --no-roofline \
+                --repeat 1 "$@" 2>&1 | grep -E 'cuda trace| calls |tok/s' | head -40
+        done
+    done
+fi
