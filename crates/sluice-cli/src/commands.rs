@@ -182,7 +182,7 @@ macro_rules! with_backend {
                 let gpu = be.clone();
                 let $loaded = load_model(be, $e)?;
                 let done = $body;
-                let t = gpu.expert_traffic();
+                let t = gpu.expert_traffic().unwrap_or_default();
                 if t.vram_hits + t.host_fills + t.whole_layers > 0 {
                     eprintln!(
                         "GPU experts: {} copied at load, {} layer steps wholly in VRAM, {} more from VRAM, {} copied \
@@ -555,6 +555,7 @@ fn run_on<B: Backend>(
             "peak_rss_bytes": peak_rss_bytes(),
             "phases": PhaseMs::from(&session.stats.timers),
             "experts": expert_stats(&model, &session.stats.pilot),
+            "device_experts": model.be.expert_traffic(),
         });
         eprintln!("{stats}");
     }
@@ -820,6 +821,8 @@ fn bench_on<B: Backend>(a: &BenchArgs, threads: usize, Loaded { model, load_s, w
             "decode_fraction_of_disk_roofline": disk_roofline.map(|r| d / r),
             "phases_last_run": phases,
             "experts": expert_stats(&model, &pilot),
+            // The backend's own tier (VRAM) since it opened, over every run: null on the CPU.
+            "device_experts": model.be.expert_traffic(),
         });
         println!("{j}");
     } else {

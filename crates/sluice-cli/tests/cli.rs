@@ -392,6 +392,8 @@ fn bench_parallel_reports_the_aggregate() {
     assert_eq!(j["parallel"], 3);
     let (all, one) = (j["decode_tok_s"].as_f64().unwrap(), j["decode_tok_s_per_sequence"].as_f64().unwrap());
     assert!((all - 3.0 * one).abs() <= 1e-6 * all, "{all} vs 3 x {one}");
+    // The CPU backend computes on the store's experts: no tier of its own to report.
+    assert!(j["device_experts"].is_null(), "{}", j["device_experts"]);
     let o = sluice(&["bench", "--model", m.to_str().unwrap(), "--parallel", "0"]);
     assert_one_error(&o, "--parallel");
 }
@@ -432,6 +434,28 @@ fn gpu_flags_fail_cleanly_or_match_the_reference() {
         Some(why) => assert_one_error(&with(&["--backend", "cuda"]), &why),
         None => {
             logits_matching_reference("qwen3-moe", "cuda", &["--backend", "cuda"]);
+            // The fixture's experts all fit: copied to VRAM at load, every layer step
+            // served from there, counted in bench --json.
+            let o = sluice(&[
+                "bench",
+                "--model",
+                m,
+                "--backend",
+                "cuda",
+                "--prompt-tokens",
+                "5",
+                "--gen-tokens",
+                "3",
+                "--repeat",
+                "1",
+                "--json",
+                "--no-roofline",
+            ]);
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            let t = &j["device_experts"];
+            assert!(t["adopted"].as_u64() > Some(0) && t["whole_layers"].as_u64() > Some(0), "{t}");
+            assert_eq!(t["host_fills"], 0, "{t}");
         }
     }
     logits_matching_reference("qwen3-moe", "auto", &["--backend", "auto"]);

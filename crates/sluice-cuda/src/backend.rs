@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
 use sluice_core::{Activation, Error, Glu, Result, RopeSpec, RopeStyle, RouterKind};
-use sluice_engine::backend::{AttnOp, Backend, ExpertFfn, Norm, RouterOp};
+use sluice_engine::backend::{AttnOp, Backend, ExpertFfn, ExpertTraffic, Norm, RouterOp};
 use sluice_engine::batch::{Batch, RowPrecision, SeqRows};
 use sluice_experts::{ExpertLease, ExpertStore, FetchMode};
 use sluice_formats::TensorView;
@@ -145,25 +145,6 @@ impl VramTier {
     }
 }
 
-/// What the expert tiers of a GPU did since it opened.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ExpertTraffic {
-    /// Experts found in VRAM.
-    pub vram_hits: u64,
-    /// Experts copied from the host store.
-    pub host_fills: u64,
-    /// Bytes copied from the host store to the device.
-    pub fill_bytes: u64,
-    /// Experts dropped from VRAM to make room.
-    pub evictions: u64,
-    /// Layer steps served from VRAM without the host seeing the routing.
-    pub whole_layers: u64,
-    /// Experts copied to VRAM before their first use, when all of them fit.
-    pub adopted: u64,
-    /// Bytes the VRAM tier holds now.
-    pub vram_bytes: u64,
-}
-
 /// An expert of a layer of an expert store.
 type TierKey = (u64, usize, usize);
 
@@ -243,12 +224,6 @@ impl Cuda {
     /// tier, every expert copied from the host at each use).
     pub fn with_expert_budget(&self, bytes: usize) -> Cuda {
         Cuda { tier: Arc::default(), tier_budget: Some(bytes), ..self.clone() }
-    }
-
-    /// What the expert tiers did so far.
-    pub fn expert_traffic(&self) -> ExpertTraffic {
-        let t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
-        ExpertTraffic { vram_bytes: t.bytes as u64, ..t.stats }
     }
 
     /// Bytes of experts the VRAM tier may hold beyond what it holds now, and those
@@ -901,6 +876,11 @@ impl Backend for Cuda {
             DevExperts::Some { lease: Some(l), .. } => l.waited(),
             _ => std::time::Duration::ZERO,
         }
+    }
+
+    fn expert_traffic(&self) -> Option<ExpertTraffic> {
+        let t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
+        Some(ExpertTraffic { vram_bytes: t.bytes as u64, ..t.stats })
     }
 
     fn adopt_experts(&self, store: &ExpertStore, mut progress: Option<&mut dyn FnMut(u64, u64)>) -> Result<()> {

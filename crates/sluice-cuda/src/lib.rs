@@ -24,5 +24,6 @@
 mod backend;
 mod device;
 
-pub use backend::{Cuda, DevAct, DevExperts, DevKv, DevMat, DevRouting, DevVector, ExpertTraffic};
+pub use backend::{Cuda, DevAct, DevExperts, DevKv, DevMat, DevRouting, DevVector};
 pub use device::{Unit, compile, probe};
+pub use sluice_engine::backend::ExpertTraffic;

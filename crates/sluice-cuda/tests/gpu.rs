@@ -205,7 +205,7 @@ fn vram_tier_sizes_agree_bitwise() {
         // the routing coming back to the host.
         let big = be.with_expert_budget(usize::MAX);
         let unbounded = run(big.clone());
-        let t = big.expert_traffic();
+        let t = big.expert_traffic().unwrap();
         assert!(t.whole_layers > 0 && t.host_fills == 0, "{name}: an unbounded tier did not hold whole layers: {t:?}");
         let none = run(be.with_expert_budget(0));
         let moe: Vec<_> =
@@ -216,7 +216,7 @@ fn vram_tier_sizes_agree_bitwise() {
         let quarter = run(small.clone());
         assert!(none == unbounded, "{name}: no VRAM tier differs from an unbounded one");
         assert!(quarter == unbounded, "{name}: a VRAM tier of a quarter of the experts differs from an unbounded one");
-        let t = small.expert_traffic();
+        let t = small.expert_traffic().unwrap();
         eprintln!("{name}, a quarter of the experts in VRAM: {t:?}");
         assert!(t.vram_hits > 0 && t.evictions > 0, "{name}: the tier was neither hit nor full: {t:?}");
     }

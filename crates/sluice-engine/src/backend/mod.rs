@@ -66,6 +66,25 @@ pub struct ExpertBias<B: Backend> {
     pub down: B::Vector,
 }
 
+/// What a backend's own expert tier (a GPU's VRAM) did since the backend opened.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct ExpertTraffic {
+    /// Experts found in the tier.
+    pub vram_hits: u64,
+    /// Experts copied from the host store.
+    pub host_fills: u64,
+    /// Bytes copied from the host store to the device.
+    pub fill_bytes: u64,
+    /// Experts dropped from the tier to make room.
+    pub evictions: u64,
+    /// Layer steps served from the tier without the host seeing the routing.
+    pub whole_layers: u64,
+    /// Experts copied to the tier before their first use, when all of them fit.
+    pub adopted: u64,
+    /// Bytes the tier holds now.
+    pub vram_bytes: u64,
+}
+
 pub trait Backend: Send + Sync + Sized + 'static {
     /// A `[rows, cols]` f32 activation.
     type Act: Send + Sync;
@@ -152,6 +171,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// total); by default the backend has no tier of its own and does nothing.
     fn adopt_experts(&self, _store: &ExpertStore, _progress: Option<&mut dyn FnMut(u64, u64)>) -> Result<()> {
         Ok(())
+    }
+    /// What the backend's own expert tier did (see [`Backend::adopt_experts`]); `None`
+    /// for a backend that has none and computes on the store's experts in place.
+    fn expert_traffic(&self) -> Option<ExpertTraffic> {
+        None
     }
     /// Blocks until every one of `experts` is available, or one cannot be.
     fn experts_ready(&self, experts: &Self::Experts<'_>) -> Result<()>;
