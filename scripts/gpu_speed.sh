@@ -26,3 +26,16 @@ if [ -n "${SPEED_TRACE:-}" ]; then
         done
     done
 fi
+if [ -n "${SPEED_PROFILE:-}" ]; then
+    # Each kernel's own time and DRAM traffic (Nsight Compute, clocks left alone) over
+    # decode steps after a 512-token prompt, summed by kernel over one step
+    # (scripts/profile_table.py).
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    echo "== profile ($ncu), one decode step after ${SPEED_PROFILE_PROMPT:-512} tokens"
+    "$ncu" --clock-control none --launch-skip "${SPEED_PROFILE_SKIP:-3000}" --launch-count "${SPEED_PROFILE_COUNT:-3000}" \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size \
+        --csv --page raw --print-units base devbin/sluice bench -m "$m" --backend cuda --residency resident --no-roofline --repeat 1 \
+        --prompt-tokens "${SPEED_PROFILE_PROMPT:-512}" --gen-tokens 8 >/tmp/profile.csv 2>/tmp/profile.err ||
+        tail -5 /tmp/profile.err
+    python3 scripts/profile_table.py /tmp/profile.csv
+fi

@@ -369,26 +369,20 @@ fn logits_of_several_sequences_are_each_alone() {
     assert_one_error(&o, "--tokens #2");
 }
 
+/// `sluice bench --json` on a short prompt, once, without the roofline reading: its
+/// report, after checking that it succeeded.
+fn bench_json(model: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["bench", "--model", model, "--prompt-tokens", "5", "--repeat", "1", "--json", "--no-roofline"];
+    args.extend_from_slice(extra);
+    let o = sluice(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
 #[test]
 fn bench_parallel_reports_the_aggregate() {
     let m = fixture("qwen3-moe");
-    let o = sluice(&[
-        "bench",
-        "--model",
-        m.to_str().unwrap(),
-        "--parallel",
-        "3",
-        "--prompt-tokens",
-        "5",
-        "--gen-tokens",
-        "4",
-        "--repeat",
-        "1",
-        "--json",
-        "--no-roofline",
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let j = bench_json(m.to_str().unwrap(), &["--parallel", "3", "--gen-tokens", "4"]);
     assert_eq!(j["parallel"], 3);
     let (all, one) = (j["decode_tok_s"].as_f64().unwrap(), j["decode_tok_s_per_sequence"].as_f64().unwrap());
     assert!((all - 3.0 * one).abs() <= 1e-6 * all, "{all} vs 3 x {one}");
@@ -436,23 +430,7 @@ fn gpu_flags_fail_cleanly_or_match_the_reference() {
             logits_matching_reference("qwen3-moe", "cuda", &["--backend", "cuda"]);
             // The fixture's experts all fit: copied to VRAM at load, every layer step
             // served from there, counted in bench --json.
-            let o = sluice(&[
-                "bench",
-                "--model",
-                m,
-                "--backend",
-                "cuda",
-                "--prompt-tokens",
-                "5",
-                "--gen-tokens",
-                "3",
-                "--repeat",
-                "1",
-                "--json",
-                "--no-roofline",
-            ]);
-            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-            let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            let j = bench_json(m, &["--backend", "cuda", "--gen-tokens", "3"]);
             let t = &j["device_experts"];
             assert!(t["adopted"].as_u64() > Some(0) && t["whole_layers"].as_u64() > Some(0), "{t}");
             assert_eq!(t["host_fills"], 0, "{t}");

@@ -698,13 +698,23 @@ extern "C" __global__ void plan_experts(const u32* ids, int j, int k, int e, u32
         count[x] = c;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int at = 0, w = 0;
-        for (int x = 0; x < e; x++) {
+    // Where each expert's rows and work items start: the prefix sums over the experts,
+    // by the first warp (each lane a run of experts, then a scan across the lanes).
+    if (threadIdx.x < 32) {
+        int lane = threadIdx.x, per = (e + 31) / 32, x0 = min(e, lane * per), x1 = min(e, x0 + per);
+        int c = 0, w = 0;
+        for (int x = x0; x < x1; x++) c += count[x], w += (count[x] + MM_ROWS - 1) / MM_ROWS;
+        int ci = c, wi = w;
+        for (int off = 1; off < 32; off <<= 1) {
+            int a = __shfl_up_sync(0xffffffff, ci, off), b = __shfl_up_sync(0xffffffff, wi, off);
+            if (lane >= off) ci += a, wi += b;
+        }
+        int at = ci - c, wk = wi - w;
+        for (int x = x0; x < x1; x++) {
             start[x] = at;
-            first[x] = w;
+            first[x] = wk;
             at += count[x];
-            w += (count[x] + MM_ROWS - 1) / MM_ROWS;
+            wk += (count[x] + MM_ROWS - 1) / MM_ROWS;
         }
     }
     __syncthreads();
