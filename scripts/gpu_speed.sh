@@ -8,8 +8,10 @@
 set -uo pipefail
 m=${SPEED_MODEL:-/tmp/q30.gguf}
 [ -f "$m" ] || devbin/sluice synth --geometry qwen3-30b-a3b --skew 0.9 --out "$m" >/dev/null || exit 1
+# The bench invocation every measurement below shares.
+bench=(devbin/sluice bench -m "$m" --backend cuda --residency resident --no-roofline)
 b() {
-    devbin/sluice bench -m "$m" --backend cuda --residency resident --no-roofline --json "$@" 2>/dev/null | tail -1 |
+    "${bench[@]}" --json "$@" 2>/dev/null | tail -1 |
         python3 -c 'import json, sys; j = json.load(sys.stdin); print("prefill %.1f tok/s, decode %.2f tok/s (%.2f per sequence)" % (j["prefill_tok_s"], j["decode_tok_s"], j["decode_tok_s_per_sequence"]))'
 }
 echo "prefill 512:   $(b --prompt-tokens 512 --gen-tokens 1)"
@@ -21,8 +23,7 @@ if [ -n "${SPEED_TRACE:-}" ]; then
             set -- $run
             echo "== trace $mode, $1"
             shift
-            SLUICE_CUDA_TRACE=$mode devbin/sluice bench -m "$m" --backend cuda --residency resident --no-roofline \
-                --repeat 1 "$@" 2>&1 | grep -E 'cuda trace| calls |tok/s' | head -40
+            SLUICE_CUDA_TRACE=$mode "${bench[@]}" --repeat 1 "$@" 2>&1 | grep -E 'cuda trace| calls |tok/s' | head -40
         done
     done
 fi
@@ -34,8 +35,8 @@ if [ -n "${SPEED_PROFILE:-}" ]; then
     echo "== profile ($ncu), one decode step after ${SPEED_PROFILE_PROMPT:-512} tokens"
     "$ncu" --clock-control none --launch-skip "${SPEED_PROFILE_SKIP:-3000}" --launch-count "${SPEED_PROFILE_COUNT:-3000}" \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size \
-        --csv --page raw --print-units base devbin/sluice bench -m "$m" --backend cuda --residency resident --no-roofline --repeat 1 \
-        --prompt-tokens "${SPEED_PROFILE_PROMPT:-512}" --gen-tokens 8 >/tmp/profile.csv 2>/tmp/profile.err ||
+        --csv --page raw --print-units base "${bench[@]}" --repeat 1 --prompt-tokens "${SPEED_PROFILE_PROMPT:-512}" \
+        --gen-tokens 8 >/tmp/profile.csv 2>/tmp/profile.err ||
         tail -5 /tmp/profile.err
     python3 scripts/profile_table.py /tmp/profile.csv
 fi

@@ -26,8 +26,8 @@ fn gpu() -> Option<Cuda> {
     Some(Cuda::open(0).expect("a GPU that the driver sees opens"))
 }
 
-/// Each format's product for 1, 3, 5 and 9 input rows (each row bitwise as alone), and its embedding, against
-/// float64 sums over `sluice_core::quant::dequantize_row`.
+/// Each format's product for 1, 3, 5 and 9 input rows (each row bitwise as alone),
+/// and its embedding, against float64 sums over `sluice_core::quant::dequantize_row`.
 #[test]
 fn every_format_against_dequantized_f64() {
     let Some(be) = gpu() else { return };
