@@ -16,9 +16,8 @@ use sluice_engine::{
 use sluice_experts::{CacheBudget, ExpertLayout, Policy, Residency, RoutingHistogram, StoreConfig, human_bytes};
 use sluice_formats::Checkpoint;
 use sluice_formats::gguf::GgufFile;
-use sluice_tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
+use sluice_tokenizer::{ChatMessage, StopText, StreamDecoder, Tokenizer};
 
-use crate::stop::StopText;
 use crate::{BackendArg, EngineArgs, LogitsMode, PolicyArg, PrecisionArg, PrefetchArg, ResidencyArg, WeightsArg};
 
 #[derive(Args)]
@@ -127,6 +126,50 @@ pub struct PlanArgs {
     /// Print one JSON object instead of text
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Address to listen on (loopback by default; another address serves the network,
+    /// where --api-key should be set)
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one, printed at start)
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY` (default:
+    /// $SLUICE_API_KEY if set, else no key)
+    #[arg(long, value_name = "KEY", env = "SLUICE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// The model's name in the APIs (default: the file or folder name)
+    #[arg(long)]
+    name: Option<String>,
+    /// Requests generated together in one batch; more wait in the queue
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    parallel: usize,
+    /// Requests that may wait for a place in the batch; beyond them a request is
+    /// answered 503 with Retry-After
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    max_queue: usize,
+    /// Most tokens one step computes: decode rows first, prompt chunks in what is left
+    /// (smaller keeps the others' tokens flowing while a long prompt is read)
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    step_tokens: usize,
+    /// KV cache bytes of finished requests kept so that a later prompt continuing one
+    /// (the next turn of a conversation) starts after it (0: none)
+    #[arg(long, value_name = "SIZE", default_value = "1GiB")]
+    prompt_cache: String,
+    /// Most positions a sequence may hold (default: the model's context)
+    #[arg(long, value_name = "N")]
+    context: Option<usize>,
+    /// Largest request body accepted
+    #[arg(long, value_name = "SIZE", default_value = "16MiB")]
+    max_body: String,
+    /// Jinja chat template file to use instead of the model's own
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -368,45 +411,23 @@ fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
     if path.is_file() { Tokenizer::from_gguf(&GgufFile::open(path)?) } else { Tokenizer::from_hf_dir(path) }
 }
 
-/// How a model without a chat template (a base model, never trained on turn markers)
-/// is asked to chat: as a plain transcript, which pre-training text is full of, ending
-/// in `Assistant:`; its reply ends where it starts the user's next line
-/// ([`TRANSCRIPT_STOP`]), as llama.cpp's chat examples for base models do with a
-/// reverse prompt. (The family's turn markers, where the vocabulary has them, made the
-/// base gemma-3-270m repeat the question; the transcript gets its answer.)
-const TRANSCRIPT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}\
-{% if m.role == 'system' %}{{ m.content }}{{ '\\n\\n' }}\
-{% elif m.role == 'user' %}User: {{ m.content }}{{ '\\n' }}\
-{% else %}Assistant: {{ m.content | trim }}{{ '\\n' }}{% endif %}{% endfor %}\
-{% if add_generation_prompt %}Assistant:{% endif %}";
-const TRANSCRIPT_STOP: &str = "\nUser:";
-
 /// Makes sure `tok` has a chat template: `file` if given, else the model's own, else
-/// the plain transcript, whose stop string is then returned.
+/// the plain transcript ([`Tokenizer::ensure_chat_template`]), whose stop string is
+/// then returned.
 fn ensure_chat_template(tok: &mut Tokenizer, file: Option<&Path>) -> Result<Option<&'static str>> {
-    if let Some(f) = file {
-        let text = std::fs::read_to_string(f).map_err(|e| Error::io(f, e))?;
-        tok.set_chat_template(&f.display().to_string(), text);
-        return Ok(None);
+    let stop = tok.ensure_chat_template(file)?;
+    if stop.is_some() {
+        eprintln!(
+            "note: the model has no chat template, so it is probably a base model that was never trained to chat; \
+             asking it as a plain User:/Assistant: transcript (--chat-template FILE to choose a template, or \
+             leave out --chat to complete plain text)"
+        );
     }
-    if tok.has_chat_template() {
-        return Ok(None);
-    }
-    eprintln!(
-        "note: the model has no chat template, so it is probably a base model that was never trained to chat; \
-         asking it as a plain User:/Assistant: transcript (--chat-template FILE to choose a template, or \
-         leave out --chat to complete plain text)"
-    );
-    tok.set_chat_template("built-in transcript template", TRANSCRIPT_TEMPLATE.to_string());
-    Ok(Some(TRANSCRIPT_STOP))
+    Ok(stop)
 }
 
 fn stop_ids<B: Backend>(model: &Model<B>, tok: &Tokenizer) -> Vec<u32> {
-    let mut ids: Vec<u32> = tok.eos_ids().to_vec();
-    ids.extend(&model.spec.eos_token_ids);
-    ids.sort_unstable();
-    ids.dedup();
-    ids
+    tok.stop_ids(&model.spec.eos_token_ids)
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -1095,4 +1116,83 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    for (flag, n) in [("--parallel", a.parallel), ("--step-tokens", a.step_tokens)] {
+        if n == 0 {
+            return Err(Error::Usage(format!("{flag} must be at least 1")));
+        }
+    }
+    if a.context == Some(0) {
+        return Err(Error::Usage("--context must be at least 1".into()));
+    }
+    if a.api_key.as_deref() == Some("") {
+        return Err(Error::Usage("--api-key is empty".into()));
+    }
+    let prompt_cache = match a.prompt_cache.trim() {
+        "0" => 0,
+        s => parse_size("--prompt-cache", s, "not a size (1GiB, or 0)")?,
+    };
+    let max_body = parse_size("--max-body", &a.max_body, "not a size (16MiB)")?;
+    let is_loopback = a.host == "localhost" || a.host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    if !is_loopback && a.api_key.is_none() {
+        eprintln!("warning: serving on {} without --api-key: anyone who can reach it can use the model", a.host);
+    }
+    init_threads(a.engine.threads)?;
+    let mut tok = load_tokenizer(&a.engine.model)?;
+    let chat_stop = ensure_chat_template(&mut tok, a.chat_template.as_deref())?;
+    let ckpt = Checkpoint::open(&a.engine.model)?;
+    let info = model_info(&ckpt);
+    let name = a.name.clone().unwrap_or_else(|| {
+        let p = a
+            .engine
+            .model
+            .file_name()
+            .map_or_else(|| a.engine.model.display().to_string(), |f| f.to_string_lossy().into());
+        p.strip_suffix(".gguf").map(String::from).unwrap_or(p)
+    });
+    drop(ckpt);
+    let cfg = sluice_server::ServeConfig {
+        host: a.host.clone(),
+        port: a.port,
+        api_key: a.api_key.clone(),
+        name,
+        max_body_bytes: usize::try_from(max_body).unwrap_or(usize::MAX),
+        limits: sluice_server::Limits {
+            parallel: a.parallel,
+            max_queue: a.max_queue,
+            step_rows: a.step_tokens,
+            prefix_cache_bytes: usize::try_from(prompt_cache).unwrap_or(usize::MAX),
+        },
+        chat_stop: chat_stop.map(String::from),
+        info,
+    };
+    with_backend!(&a.engine, |loaded| {
+        let mut model = loaded.model;
+        if let Some(n) = a.context {
+            model.max_context = model.max_context.min(n);
+        }
+        sluice_server::serve(model, tok, cfg)
+    })
+}
+
+/// What Ollama's `/api/show` and `/api/tags` describe.
+fn model_info(ckpt: &Checkpoint) -> sluice_server::ModelInfo {
+    let spec = &ckpt.spec;
+    let tensors = ckpt.tensors();
+    let gguf = ckpt.path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    sluice_server::ModelInfo {
+        path: ckpt.path.display().to_string(),
+        format: if gguf { "gguf" } else { "safetensors" }.into(),
+        family: format!("{:?}", spec.family).to_lowercase(),
+        architecture: spec.arch.clone(),
+        parameters: tensors.iter().map(|t| t.shape.iter().product::<usize>() as u64).sum(),
+        size_bytes: tensors.iter().map(|t| t.len_bytes() as u64).sum(),
+        quantization: spec.weight_dtype.map(|d| format!("{d:?}")).unwrap_or_default(),
+        context_length: spec.max_context,
+        layers: spec.n_layers(),
+        hidden_size: spec.hidden_size,
+        vocab_size: spec.vocab_size,
+    }
 }

@@ -1,7 +1,6 @@
 //! `sluice`: run Mixture-of-Experts language models larger than memory.
 
 mod commands;
-mod stop;
 mod synth_pack;
 
 use std::process::ExitCode;
@@ -37,6 +36,10 @@ enum Command {
     /// Where each part of a model would live (memory, mapped, streamed, cache size) and
     /// the decode and prefill speed predicted from this machine's measured rates
     Plan(commands::PlanArgs),
+    /// Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions,
+    /// /v1/models), Anthropic (/v1/messages) and Ollama (/api/chat, /api/generate,
+    /// /api/tags, /api/show) APIs, many requests batched together; /health, /metrics
+    Serve(commands::ServeArgs),
     /// Write a synthetic MoE checkpoint with a real model's geometry (random weights)
     Synth(synth_pack::SynthArgs),
     /// Write a model's experts in the packed layout: each expert one contiguous, aligned read
@@ -170,6 +173,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => commands::bench(a),
         Command::Inspect(a) => commands::inspect(a),
         Command::Plan(a) => commands::plan(a),
+        Command::Serve(a) => commands::serve(a),
         Command::Synth(a) => synth_pack::synth(a),
         Command::Pack(a) => synth_pack::pack(a),
     };

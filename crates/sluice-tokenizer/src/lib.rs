@@ -9,6 +9,7 @@
 //! line knows where the vocabulary came from.
 
 mod gguf;
+mod stop;
 mod stream;
 mod template;
 
@@ -18,6 +19,7 @@ use std::path::{Path, PathBuf};
 use minijinja::Value;
 use sluice_core::{Error, Result};
 
+pub use stop::StopText;
 pub use stream::StreamDecoder;
 use template::{ChatTemplate, TemplateSource};
 
@@ -26,13 +28,36 @@ use template::{ChatTemplate, TemplateSource};
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant's calls of tools, in OpenAI's form (`[{"type": "function",
+    /// "function": {"name", "arguments"}}]`), as templates that know tools read them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool result's call id and the tool's name (role `tool`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None, name: None }
     }
 }
+
+/// How a model without a chat template (a base model, never trained on turn markers)
+/// is asked to chat: as a plain transcript, which pre-training text is full of, ending
+/// in `Assistant:`; its reply ends where it starts the user's next line
+/// ([`TRANSCRIPT_STOP`]), as llama.cpp's chat examples for base models do with a
+/// reverse prompt. (The family's turn markers, where the vocabulary has them, made the
+/// base gemma-3-270m repeat the question; the transcript gets its answer.)
+pub const TRANSCRIPT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}\
+{% if m.role == 'system' %}{{ m.content }}{{ '\\n\\n' }}\
+{% elif m.role == 'user' %}User: {{ m.content }}{{ '\\n' }}\
+{% else %}Assistant: {{ m.content | trim }}{{ '\\n' }}{% endif %}{% endfor %}\
+{% if add_generation_prompt %}Assistant:{% endif %}";
+/// Where a transcript's reply ends.
+pub const TRANSCRIPT_STOP: &str = "\nUser:";
 
 /// Tokens that end a turn in the chat formats we know. Many models list only their base
 /// EOS (`<|endoftext|>`, `<eos>`) in the config, but an instruct model ends its answer with
@@ -224,10 +249,47 @@ impl Tokenizer {
         self.template = Some(ChatTemplate::new(TemplateSource { name: name.to_string(), text }, tokens));
     }
 
+    /// Makes sure there is a chat template: `file` if given, else the model's own, else
+    /// the plain transcript ([`TRANSCRIPT_TEMPLATE`]), whose stop string is then returned
+    /// (generation must end where the model starts the user's next line).
+    pub fn ensure_chat_template(&mut self, file: Option<&Path>) -> Result<Option<&'static str>> {
+        if let Some(f) = file {
+            let text = std::fs::read_to_string(f).map_err(|e| Error::io(f, e))?;
+            self.set_chat_template(&f.display().to_string(), text);
+            return Ok(None);
+        }
+        if self.has_chat_template() {
+            return Ok(None);
+        }
+        self.set_chat_template("built-in transcript template", TRANSCRIPT_TEMPLATE.to_string());
+        Ok(Some(TRANSCRIPT_STOP))
+    }
+
+    /// Every id that ends generation: [`Tokenizer::eos_ids`] and the model's own
+    /// (`extra`, from its config), sorted, once each.
+    pub fn stop_ids(&self, extra: &[u32]) -> Vec<u32> {
+        let mut ids: Vec<u32> = self.eos_ids.clone();
+        ids.extend(extra);
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
     /// Renders the chat template (HF semantics: messages, add_generation_prompt, bos_token,
     /// eos_token, plus any other *_token strings from tokenizer_config.json, or bos, eos, unk
     /// and pad from a GGUF file's ids) to a string.
     pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Tokenizer::apply_chat_template`] with the `tools` variable set (OpenAI's list
+    /// of `{"type": "function", "function": {...}}`), as HF's `tools=` argument does.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self.template.as_ref().ok_or_else(|| {
             Error::Template(if self.source.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
                 format!("{} has no chat template (no tokenizer.chat_template in its metadata)", self.source.display())
@@ -239,7 +301,7 @@ impl Tokenizer {
                 )
             })
         })?;
-        template.render(messages, add_generation_prompt)
+        template.render(messages, tools, add_generation_prompt)
     }
 
     /// Encodes a rendered chat prompt. The template already wrote BOS and every other

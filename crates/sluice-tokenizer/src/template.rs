@@ -43,7 +43,12 @@ impl ChatTemplate {
         ChatTemplate { name, env, tokens }
     }
 
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let env = self.env.as_ref().map_err(|e| Error::Template(e.clone()))?;
         let template = env.get_template(&self.name).map_err(|e| Error::Template(describe(&self.name, &e)))?;
         // Special tokens first so that the call's own variables win, as in HF where the
@@ -53,7 +58,7 @@ impl ChatTemplate {
         let mut ctx: Vec<(String, Value)> = self.tokens.clone();
         ctx.push(("messages".into(), Value::from_serialize(messages)));
         ctx.push(("add_generation_prompt".into(), add_generation_prompt.into()));
-        ctx.push(("tools".into(), Value::from(())));
+        ctx.push(("tools".into(), tools.map_or(Value::from(()), Value::from_serialize)));
         ctx.push(("documents".into(), Value::from(())));
         let ctx: Value = ctx.into_iter().collect();
         template.render(ctx).map_err(|e| Error::Template(describe(&self.name, &e)))

@@ -6,24 +6,27 @@
 pub struct StopText {
     stops: Vec<String>,
     pending: String,
-    stopped: bool,
+    /// The stop string reached, once one is.
+    matched: Option<usize>,
 }
 
 impl StopText {
     pub fn new(stops: Vec<String>) -> StopText {
         debug_assert!(stops.iter().all(|s| !s.is_empty()));
-        StopText { stops, pending: String::new(), stopped: false }
+        StopText { stops, pending: String::new(), matched: None }
     }
 
     /// The text that can be shown now, and whether a stop string has been reached
     /// (nothing more is shown after it).
     pub fn push(&mut self, piece: &str) -> (String, bool) {
-        if self.stopped {
+        if self.matched.is_some() {
             return (String::new(), true);
         }
         self.pending.push_str(piece);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
-            self.stopped = true;
+        let first =
+            self.stops.iter().enumerate().filter_map(|(i, s)| self.pending.find(s.as_str()).map(|at| (at, i))).min();
+        if let Some((at, i)) = first {
+            self.matched = Some(i);
             let shown = self.pending[..at].to_string();
             self.pending.clear();
             return (shown, true);
@@ -41,6 +44,11 @@ impl StopText {
         let shown = self.pending[..cut].to_string();
         self.pending.drain(..cut);
         (shown, false)
+    }
+
+    /// The stop string that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
     }
 
     /// What was held back, once generation has ended without reaching a stop string.
@@ -73,6 +81,9 @@ mod tests {
         assert_eq!(run(&["\nUser:"], &[" Paris.\nUser: x"]), (" Paris.".into(), true));
         // The earliest of several stop strings wins.
         assert_eq!(run(&["END", "\n\n"], &["a\n\nb END"]), ("a".into(), true));
+        let mut f = StopText::new(vec!["END".into(), "\n\n".into()]);
+        assert_eq!(f.push("a END\n\n"), ("a ".into(), true));
+        assert_eq!(f.matched(), Some("END"));
     }
 
     #[test]

@@ -1,0 +1,502 @@
+//! OpenAI's API: `GET /v1/models`, `POST /v1/chat/completions` and `/v1/completions`,
+//! whole or streamed as server-sent events ending in `data: [DONE]`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event as Sse, Sse as SseBody};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sluice_tokenizer::ChatMessage;
+
+use crate::api::{self, Api, ApiError, Defaults, MAX_TOP_LOGPROBS, Reply, Sampling, StopField};
+use crate::scheduler::{Event, Finish, FinishReason, GenParams, TokenLogprob};
+use crate::{App, tools};
+
+const API: Api = Api::OpenAi;
+/// OpenAI's defaults: temperature 1, top_p 1, no top-k.
+const DEFAULTS: Defaults = Defaults { temperature: 1.0, top_p: 1.0, top_k: 0 };
+/// Most choices one request may ask for (`n`).
+const MAX_CHOICES: usize = 8;
+
+fn model_object(app: &App) -> Value {
+    json!({"id": app.cfg.name, "object": "model", "created": app.started, "owned_by": "sluice"})
+}
+
+pub async fn models(State(app): State<Arc<App>>) -> Response {
+    axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
+}
+
+pub async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    if id == app.cfg.name {
+        axum::Json(model_object(&app)).into_response()
+    } else {
+        ApiError::new(
+            API,
+            StatusCode::NOT_FOUND,
+            format!("the model '{id}' does not exist (this server has '{}')", app.cfg.name),
+        )
+        .into_response()
+    }
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    role: String,
+    content: Option<Content>,
+    tool_calls: Option<Value>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
+}
+
+/// Fields both endpoints take.
+#[derive(Deserialize)]
+struct Common {
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i64>,
+    seed: Option<u64>,
+    max_tokens: Option<i64>,
+    stop: Option<StopField>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    n: Option<usize>,
+    /// An extension (vLLM, llama.cpp): generate past end-of-turn tokens.
+    ignore_eos: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    messages: Vec<Message>,
+    #[serde(flatten)]
+    common: Common,
+    max_completion_tokens: Option<i64>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<usize>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    response_format: Option<Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize)]
+struct CompletionRequest {
+    prompt: Prompt,
+    #[serde(flatten)]
+    common: Common,
+    logprobs: Option<usize>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+}
+
+impl Common {
+    fn sampling(&self, max_tokens: Option<i64>, logprobs: Option<usize>) -> Sampling {
+        Sampling {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: self.seed,
+            stop: self.stop.clone().map(StopField::into_vec).unwrap_or_default(),
+            max_tokens: max_tokens.or(self.max_tokens),
+            logprobs,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+        }
+    }
+
+    fn choices(&self) -> Result<usize, ApiError> {
+        match self.n.unwrap_or(1) {
+            0 => Err(ApiError::bad_request(API, "n must be at least 1")),
+            n if n > MAX_CHOICES => Err(ApiError::bad_request(API, format!("n may be at most {MAX_CHOICES}, got {n}"))),
+            n if n > 1 && self.stream == Some(true) => {
+                Err(ApiError::bad_request(API, "n > 1 is not supported with stream: true"))
+            }
+            n => Ok(n),
+        }
+    }
+}
+
+fn message_of(m: Message) -> Result<ChatMessage, ApiError> {
+    let content = match m.content {
+        None => String::new(),
+        Some(Content::Text(t)) => t,
+        Some(Content::Parts(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (p.kind.as_str(), p.text) {
+                    ("text", Some(t)) => text += &t,
+                    (kind, _) => {
+                        return Err(ApiError::bad_request(
+                            API,
+                            format!("content parts of type '{kind}' are not supported (text only)"),
+                        ));
+                    }
+                }
+            }
+            text
+        }
+    };
+    // OpenAI's tool calls carry their arguments as a JSON text; templates (Qwen's,
+    // Llama's) write `arguments` out with tojson, so they get the object.
+    let tool_calls = m.tool_calls.map(|mut calls| {
+        if let Some(list) = calls.as_array_mut() {
+            for c in list {
+                if let Some(f) = c.get_mut("function")
+                    && let Some(Value::String(a)) = f.get("arguments").cloned()
+                    && let Ok(v) = serde_json::from_str::<Value>(&a)
+                {
+                    f["arguments"] = v;
+                }
+            }
+        }
+        calls
+    });
+    Ok(ChatMessage { role: m.role, content, tool_calls, tool_call_id: m.tool_call_id, name: m.name })
+}
+
+fn finish_reason(f: &Finish, called: bool) -> &'static str {
+    match f.reason {
+        _ if called => "tool_calls",
+        FinishReason::Eos | FinishReason::StopText(_) => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+fn usage(finishes: &[Finish]) -> Value {
+    let prompt = finishes.first().map_or(0, |f| f.prompt_tokens);
+    let cached = finishes.first().map_or(0, |f| f.cached_tokens);
+    let completion: usize = finishes.iter().map(|f| f.completion_tokens).sum();
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+fn chat_logprob(lp: &TokenLogprob) -> Value {
+    let entry = |t: &str, l: f32| json!({"token": t, "logprob": l, "bytes": t.as_bytes()});
+    let mut v = entry(&lp.token, lp.logprob);
+    v["top_logprobs"] = lp.top.iter().map(|(t, l)| entry(t, *l)).collect();
+    v
+}
+
+/// Submits `n` copies of a request (seeds `seed`, `seed + 1`, ...) and waits for all.
+async fn run_choices(app: &App, prompt: &[u32], params: &GenParams, n: usize) -> Result<Vec<Reply>, ApiError> {
+    let mut rxs = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut p = params.clone();
+        p.sampler.seed = p.sampler.seed.wrapping_add(i as u64);
+        rxs.push(api::submit(app, API, prompt.to_vec(), p)?);
+    }
+    let mut replies = Vec::with_capacity(n);
+    for rx in rxs {
+        replies.push(api::collect(API, rx).await?);
+    }
+    Ok(replies)
+}
+
+fn sse(v: &Value) -> Result<Sse, Infallible> {
+    Ok(Sse::default().data(v.to_string()))
+}
+
+fn sse_done() -> Result<Sse, Infallible> {
+    Ok(Sse::default().data("[DONE]"))
+}
+
+pub async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    match chat_inner(&app, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_inner(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: ChatRequest = api::parse_body(API, &app.metrics, body)?;
+    let n = req.common.choices()?;
+    match req.response_format.as_ref().and_then(|f| f.get("type")).and_then(Value::as_str) {
+        None | Some("text") => {}
+        Some(other) => {
+            return Err(ApiError::bad_request(
+                API,
+                format!("response_format '{other}' is not supported yet (constrained decoding is not built)"),
+            ));
+        }
+    }
+    if req.top_logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+        return Err(ApiError::bad_request(API, format!("top_logprobs may be at most {MAX_TOP_LOGPROBS}")));
+    }
+    let use_tools = req.tools.as_ref().is_some_and(|t| !t.is_empty())
+        && req.tool_choice.as_ref().and_then(Value::as_str) != Some("none");
+    let tools = use_tools.then(|| Value::Array(req.tools.clone().unwrap_or_default()));
+    let messages = req.messages.into_iter().map(message_of).collect::<Result<Vec<_>, _>>()?;
+    let prompt = api::chat_prompt(app, API, &messages, tools.as_ref())?;
+    let logprobs = req.logprobs.unwrap_or(false).then(|| req.top_logprobs.unwrap_or(0));
+    let mut params =
+        req.common.sampling(req.max_completion_tokens, logprobs).params(API, DEFAULTS, prompt.len(), app.context)?;
+    api::add_chat_stop(app, &mut params);
+    let id = app.id("chatcmpl-");
+    let created = crate::unix_now();
+    let name = app.cfg.name.clone();
+
+    if req.common.stream != Some(true) {
+        let replies = run_choices(app, &prompt, &params, n).await?;
+        let choices: Vec<Value> = replies
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let (content, calls) = if use_tools { tools::parse(&r.text) } else { (r.text.clone(), Vec::new()) };
+                let mut message = json!({"role": "assistant", "content": content});
+                if !calls.is_empty() {
+                    message["content"] = if content.is_empty() { Value::Null } else { Value::String(content) };
+                    message["tool_calls"] = tool_calls_json(app, &calls);
+                }
+                json!({
+                    "index": i,
+                    "message": message,
+                    "logprobs": logprobs.map(|_| json!({"content": r.logprobs.iter().map(chat_logprob).collect::<Vec<_>>()})),
+                    "finish_reason": finish_reason(&r.finish, !calls.is_empty()),
+                })
+            })
+            .collect();
+        let finishes: Vec<Finish> = replies.iter().map(|r| r.finish).collect();
+        return Ok(axum::Json(json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": name,
+            "choices": choices,
+            "usage": usage(&finishes),
+            "system_fingerprint": null,
+        }))
+        .into_response());
+    }
+
+    let include_usage = req.common.stream_options.is_some_and(|o| o.include_usage);
+    let rx = api::submit(app, API, prompt, params)?;
+    let chunk = {
+        let (id, name) = (id.clone(), name.clone());
+        move |delta: Value, logprobs: Option<Value>, finish: Option<&str>| {
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": name,
+                "system_fingerprint": null,
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            })
+        }
+    };
+    let first = sse(&chunk(json!({"role": "assistant", "content": ""}), None, None));
+    // With tools the reply is held until it ends, then sent as content and calls.
+    let mut held = String::new();
+    let app2 = app.clone();
+    let events = api::translate(rx, move |ev| match ev {
+        Event::Token { text, logprob } => {
+            if use_tools {
+                held += &text;
+                return Vec::new();
+            }
+            let lp = logprob.as_ref().map(|l| json!({"content": [chat_logprob(l)]}));
+            if text.is_empty() && lp.is_none() {
+                return Vec::new();
+            }
+            vec![sse(&chunk(json!({"content": text}), lp, None))]
+        }
+        Event::Done(f) => {
+            let mut out = Vec::new();
+            let (content, calls) = if use_tools { tools::parse(&held) } else { (String::new(), Vec::new()) };
+            if !content.is_empty() {
+                out.push(sse(&chunk(json!({"content": content}), None, None)));
+            }
+            if !calls.is_empty() {
+                let mut list = tool_calls_json(&app2, &calls);
+                for (i, c) in list.as_array_mut().into_iter().flatten().enumerate() {
+                    c["index"] = json!(i);
+                }
+                out.push(sse(&chunk(json!({"tool_calls": list}), None, None)));
+            }
+            out.push(sse(&chunk(json!({}), None, Some(finish_reason(&f, !calls.is_empty())))));
+            if include_usage {
+                out.push(sse(&json!({
+                    "id": id, "object": "chat.completion.chunk", "created": created, "model": name,
+                    "choices": [], "usage": usage(&[f]),
+                })));
+            }
+            out.push(sse_done());
+            out
+        }
+        Event::Failed(m) => vec![sse(&ApiError::new(API, StatusCode::INTERNAL_SERVER_ERROR, m).body()), sse_done()],
+    });
+    let stream = futures_util::stream::once(async move { first }).chain(events);
+    Ok(SseBody::new(stream).into_response())
+}
+
+fn tool_calls_json(app: &App, calls: &[tools::ToolCall]) -> Value {
+    calls
+        .iter()
+        .map(|c| json!({"id": app.id("call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+        .collect()
+}
+
+pub async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    match completions_inner(&app, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The completion API's `logprobs` object for a reply.
+fn completion_logprobs(lps: &[TokenLogprob], start: usize) -> Value {
+    let mut offset = start;
+    let mut offsets = Vec::with_capacity(lps.len());
+    for l in lps {
+        offsets.push(offset);
+        offset += l.token.len();
+    }
+    json!({
+        "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(t, p)| (t.clone(), json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+async fn completions_inner(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: CompletionRequest = api::parse_body(API, &app.metrics, body)?;
+    let n = req.common.choices()?;
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::bad_request(API, "suffix is not supported"));
+    }
+    if req.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+        return Err(ApiError::bad_request(API, format!("logprobs may be at most {MAX_TOP_LOGPROBS}")));
+    }
+    let one = |k: usize| {
+        (k == 1).then_some(()).ok_or_else(|| ApiError::bad_request(API, "one prompt per request is supported"))
+    };
+    // Text is encoded as `sluice run` encodes a prompt (with the tokenizer's BOS).
+    let (prompt, prompt_text) = match req.prompt {
+        Prompt::Text(t) => (api::encode(app, API, &t, true)?, t),
+        Prompt::Texts(v) => {
+            one(v.len())?;
+            (api::encode(app, API, &v[0], true)?, v[0].clone())
+        }
+        Prompt::Ids(ids) => (check_ids(app, &ids)?, String::new()),
+        Prompt::IdLists(v) => {
+            one(v.len())?;
+            (check_ids(app, &v[0])?, String::new())
+        }
+    };
+    let echo = req
+        .echo
+        .unwrap_or(false)
+        .then(|| if prompt_text.is_empty() { app.tok.decode(&prompt, false).unwrap_or_default() } else { prompt_text });
+    let params = req.common.sampling(None, req.logprobs).params(API, DEFAULTS, prompt.len(), app.context)?;
+    let id = app.id("cmpl-");
+    let created = crate::unix_now();
+    let name = app.cfg.name.clone();
+    if req.common.stream != Some(true) {
+        let replies = run_choices(app, &prompt, &params, n).await?;
+        let start = echo.as_ref().map_or(0, String::len);
+        let choices: Vec<Value> = replies
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                json!({
+                    "index": i,
+                    "text": format!("{}{}", echo.as_deref().unwrap_or(""), r.text),
+                    "logprobs": req.logprobs.map(|_| completion_logprobs(&r.logprobs, start)),
+                    "finish_reason": finish_reason(&r.finish, false),
+                })
+            })
+            .collect();
+        let finishes: Vec<Finish> = replies.iter().map(|r| r.finish).collect();
+        return Ok(axum::Json(json!({
+            "id": id, "object": "text_completion", "created": created, "model": name,
+            "choices": choices, "usage": usage(&finishes),
+        }))
+        .into_response());
+    }
+    let include_usage = req.common.stream_options.is_some_and(|o| o.include_usage);
+    let rx = api::submit(app, API, prompt, params)?;
+    let with_logprobs = req.logprobs.is_some();
+    let mut offset = echo.as_ref().map_or(0, String::len);
+    let chunk = {
+        let (id, name) = (id.clone(), name.clone());
+        move |text: &str, logprobs: Value, finish: Option<&str>| {
+            json!({
+                "id": id, "object": "text_completion", "created": created, "model": name,
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            })
+        }
+    };
+    let first: Vec<Result<Sse, Infallible>> = echo.iter().map(|e| sse(&chunk(e, Value::Null, None))).collect();
+    let events = api::translate(rx, move |ev| match ev {
+        Event::Token { text, logprob } => {
+            let lp = match (with_logprobs, logprob) {
+                (true, Some(l)) => {
+                    let v = completion_logprobs(std::slice::from_ref(&l), offset);
+                    offset += l.token.len();
+                    v
+                }
+                _ => Value::Null,
+            };
+            if text.is_empty() && lp.is_null() {
+                return Vec::new();
+            }
+            vec![sse(&chunk(&text, lp, None))]
+        }
+        Event::Done(f) => {
+            let mut out = vec![sse(&chunk("", Value::Null, Some(finish_reason(&f, false))))];
+            if include_usage {
+                out.push(sse(&json!({
+                    "id": id, "object": "text_completion", "created": created, "model": name,
+                    "choices": [], "usage": usage(&[f]),
+                })));
+            }
+            out.push(sse_done());
+            out
+        }
+        Event::Failed(m) => vec![sse(&ApiError::new(API, StatusCode::INTERNAL_SERVER_ERROR, m).body()), sse_done()],
+    });
+    Ok(SseBody::new(futures_util::stream::iter(first).chain(events)).into_response())
+}
+
+/// Token ids given directly, checked against the vocabulary.
+fn check_ids(app: &App, ids: &[u32]) -> Result<Vec<u32>, ApiError> {
+    let vocab = app.vocab_size;
+    match ids.iter().find(|&&i| i as usize >= vocab) {
+        Some(i) => Err(ApiError::bad_request(API, format!("token id {i} is outside the vocabulary (size {vocab})"))),
+        None => Ok(ids.to_vec()),
+    }
+}
