@@ -33,7 +33,6 @@ QUESTIONS = [
 def one_request(url, i, tokens, out):
     u = urllib.parse.urlparse(url)
     body = json.dumps({
-        "model": "x",
         "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" ({i})"}],
         "max_tokens": tokens,
         "temperature": 0.7,

@@ -10,6 +10,7 @@ Exits non-zero, saying what differed, on any mismatch. Run by the serve tests wi
 the clients scripts/client_venv.sh installs.
 """
 
+import json
 import sys
 
 import anthropic
@@ -43,6 +44,20 @@ assert first.logprob == first.top_logprobs[0].logprob <= 0, first
 
 done = oa.completions.create(model=models[0], prompt="Once upon a time", max_tokens=8, temperature=0)
 assert done.choices[0].text and done.usage.completion_tokens == 8, done
+
+schema = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+structured = oa.chat.completions.create(
+    model=models[0], messages=question, max_tokens=60, temperature=0,
+    response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}},
+)
+answer = json.loads(structured.choices[0].message.content)
+assert set(answer) == {"city", "country"} and all(isinstance(v, str) for v in answer.values()), answer
+assert expected in answer["city"], answer
 
 try:
     oa.chat.completions.create(model=models[0], messages=question, max_tokens=10**6)

@@ -167,6 +167,9 @@ pub struct ServeArgs {
     /// Largest request body accepted
     #[arg(long, value_name = "SIZE", default_value = "16MiB")]
     max_body: String,
+    /// Seconds a request body may take to arrive; a client that stalls is answered 408
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    body_timeout: f64,
     /// Jinja chat template file to use instead of the model's own
     #[arg(long, value_name = "FILE")]
     chat_template: Option<PathBuf>,
@@ -1135,6 +1138,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         s => parse_size("--prompt-cache", s, "not a size (1GiB, or 0)")?,
     };
     let max_body = parse_size("--max-body", &a.max_body, "not a size (16MiB)")?;
+    if !(a.body_timeout.is_finite() && a.body_timeout > 0.0 && a.body_timeout < 1e6) {
+        return Err(Error::Usage(format!(
+            "--body-timeout must be a positive number of seconds, got {}",
+            a.body_timeout
+        )));
+    }
     let is_loopback = a.host == "localhost" || a.host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
     if !is_loopback && a.api_key.is_none() {
         eprintln!("warning: serving on {} without --api-key: anyone who can reach it can use the model", a.host);
@@ -1159,6 +1168,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         api_key: a.api_key.clone(),
         name,
         max_body_bytes: usize::try_from(max_body).unwrap_or(usize::MAX),
+        body_timeout: std::time::Duration::from_secs_f64(a.body_timeout),
         limits: sluice_server::Limits {
             parallel: a.parallel,
             max_queue: a.max_queue,

@@ -174,7 +174,7 @@ fn completion(server: &Server, prompt: &str, max_tokens: usize) -> Value {
 }
 
 fn chat_body(question: &str, max_tokens: usize) -> Value {
-    json!({"model": "x", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0})
+    json!({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0})
 }
 
 /// Joined `delta.content` of an OpenAI chat stream, checking its shape: the role
@@ -468,10 +468,24 @@ fn bad_requests_get_each_apis_error() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}})
+            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}).to_string(),
+            400,
+            "not one of",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}})
                 .to_string(),
             400,
-            "not supported yet",
+            "json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}],
+                   "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "no such type"}}}})
+            .to_string(),
+            400,
+            "schema cannot be used",
         ),
         (
             "/v1/chat/completions",
@@ -482,6 +496,16 @@ fn bad_requests_get_each_apis_error() {
         ),
         ("/v1/chat/completions", json!({"messages": [{"role": "robot", "content": "hi"}]}).to_string(), 400, "robot"),
         ("/v1/completions", json!({"prompt": [1, 2, 99999]}).to_string(), 400, "outside the vocabulary"),
+        ("/v1/completions", json!({"prompt": "hi", "model": "gpt-4o"}).to_string(), 404, "'gpt-4o' does not exist"),
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": -5}).to_string(), 400, "at least 1"),
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": "ten"}).to_string(), 400, "invalid request body"),
+        (
+            "/v1/messages",
+            json!({"model": "claude", "max_tokens": 5, "messages": []}).to_string(),
+            404,
+            "'claude' does not exist",
+        ),
+        ("/api/chat", json!({"model": "llama3", "messages": []}).to_string(), 404, "'llama3' does not exist"),
         ("/v1/completions", json!({"prompt": "word ".repeat(300)}).to_string(), 400, "context holds 256"),
         ("/v1/completions", json!({"prompt": ""}).to_string(), 400, "empty"),
         ("/v1/completions", "x".repeat(5000), 413, "too large"),
@@ -494,7 +518,7 @@ fn bad_requests_get_each_apis_error() {
         ),
         (
             "/api/chat",
-            json!({"messages": [{"role": "user", "content": "hi"}], "format": "json"}).to_string(),
+            json!({"messages": [{"role": "user", "content": "hi"}], "format": "yaml"}).to_string(),
             400,
             "format",
         ),
@@ -521,6 +545,107 @@ fn bad_requests_get_each_apis_error() {
     assert_eq!((r.status, r.json()["error"]["type"].as_str()), (404, Some("not_found_error")));
     // After all that the server still answers.
     assert_eq!(post("/v1/chat/completions", &chat_body("hi", 2).to_string()).status, 200);
+}
+
+/// Output constrained to a JSON schema: even a random model's answer parses and
+/// follows it, through OpenAI's response_format and Ollama's format; streamed the same.
+#[test]
+fn json_schema_output_parses_and_validates() {
+    let server = Server::start(&fixture("qwen3"), &[]);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "color": {"enum": ["red", "green", "blue"]},
+        },
+        "required": ["ok", "n", "color"],
+        "additionalProperties": false,
+    });
+    let valid = |text: &str| {
+        let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+        let o = v.as_object().unwrap();
+        assert_eq!(o.len(), 3, "{text}");
+        assert!(o["ok"].is_boolean(), "{text}");
+        assert!((0..=99).contains(&o["n"].as_i64().unwrap()), "{text}");
+        assert!(["red", "green", "blue"].contains(&o["color"].as_str().unwrap()), "{text}");
+    };
+    for seed in 0..4 {
+        let mut body = chat_body("describe yourself", 60);
+        body["temperature"] = json!(1.0);
+        body["seed"] = json!(seed);
+        body["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "t", "schema": schema}});
+        let r = server.post("/v1/chat/completions", &body).json();
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        let text = r["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        valid(&text);
+        body["stream"] = json!(true);
+        let (streamed, _) = chat_stream_text(&server.post("/v1/chat/completions", &body), false);
+        assert_eq!(streamed, text);
+    }
+    let mut body = chat_body("anything", 40);
+    body["response_format"] = json!({"type": "json_object"});
+    let r = server.post("/v1/chat/completions", &body).json();
+    let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+    if r["choices"][0]["finish_reason"] == "stop" {
+        assert!(serde_json::from_str::<Value>(text).unwrap().is_object(), "{text}");
+    } else {
+        assert!(text.starts_with('{'), "{text}");
+    }
+    let ollama = json!({"messages": [{"role": "user", "content": "hi"}], "stream": false, "format": schema,
+                        "options": {"num_predict": 60}});
+    valid(server.post("/api/chat", &ollama).json()["message"]["content"].as_str().unwrap());
+}
+
+/// A client that sends half a body and stalls is answered 408 after the body timeout;
+/// meanwhile, and after, the server answers others.
+#[test]
+fn a_stalled_request_times_out_and_others_go_on() {
+    let server = Server::start(&fixture("qwen3"), &["--body-timeout", "1"]);
+    let mut stalled = TcpStream::connect(&server.addr).unwrap();
+    write!(stalled, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"prompt\"").unwrap();
+    let t = Instant::now();
+    assert_eq!(completion(&server, "hello", 4)["object"], "text_completion");
+    let mut raw = Vec::new();
+    stalled.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    stalled.read_to_end(&mut raw).unwrap();
+    let r = Response::parse(&raw);
+    assert_eq!(r.status, 408, "{}", r.body);
+    assert!(t.elapsed() >= Duration::from_millis(900), "{:?}", t.elapsed());
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("did not arrive"));
+    assert_eq!(completion(&server, "hello", 4)["object"], "text_completion");
+}
+
+/// 64 clients streaming at once (8 in the batch, the rest queued): no errors, and each
+/// answer is the one its request gets alone.
+#[test]
+fn sixty_four_clients_at_once() {
+    let server = Server::start(&fixture("qwen3-moe"), &[]);
+    let prompt = |i: usize| format!("client {i} says hello to {}", i * 7);
+    let ask = |i: usize, stream: bool| {
+        let body = json!({"prompt": prompt(i), "max_tokens": 12, "temperature": 0, "stream": stream});
+        let r = server.post("/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        if !stream {
+            return r.json()["choices"][0]["text"].as_str().unwrap().to_string();
+        }
+        let events = r.events();
+        assert_eq!(events.last().unwrap().1, "[DONE]");
+        events[..events.len() - 1]
+            .iter()
+            .map(|(_, d)| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
+            .collect::<String>()
+    };
+    let together: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..64).map(|i| s.spawn(move || ask(i, true))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, t) in together.iter().enumerate().step_by(7) {
+        assert_eq!(*t, ask(i, false), "client {i}");
+    }
+    assert_eq!(metric(&server, "sluice_requests_failed_total"), 0.0);
+    assert_eq!(metric(&server, "sluice_requests_rejected_total"), 0.0);
+    assert_eq!(metric(&server, "sluice_running_sequences"), 0.0);
 }
 
 /// Reads a streamed response until `n` bytes of body have come, then hangs up.
@@ -668,4 +793,46 @@ fn official_clients_talk_to_it() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+}
+
+/// Qwen2.5-Coder-1.5B (scripts/fetch_models.sh qwen2.5-coder-1.5b; not fetched in CI,
+/// so skipped there, saying so) calls a `get_weather` tool: the call comes back in
+/// `tool_calls`, whole and streamed.
+#[test]
+fn real_serve_qwen_calls_a_tool() {
+    let dir = std::env::var_os("SLUICE_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"));
+    let model = dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    if !model.exists() {
+        eprintln!("skipping: {} is missing (run scripts/fetch_models.sh qwen2.5-coder-1.5b)", model.display());
+        return;
+    }
+    let server = Server::start(&model, &[]);
+    let tools = json!([{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }}]);
+    let mut body = json!({"messages": [{"role": "user", "content": "What is the weather in Paris right now?"}],
+                          "tools": tools, "max_tokens": 60, "temperature": 0});
+    let r = server.post("/v1/chat/completions", &body).json();
+    let choice = &r["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{r}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args["city"], "Paris");
+    body["stream"] = json!(true);
+    let r = server.post("/v1/chat/completions", &body);
+    let calls: Vec<Value> = r
+        .events()
+        .iter()
+        .filter(|(_, d)| d != "[DONE]")
+        .map(|(_, d)| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| c["choices"][0]["delta"].get("tool_calls").cloned())
+        .collect();
+    assert_eq!(calls.len(), 1, "{}", r.body);
+    assert_eq!(calls[0][0]["function"]["name"], "get_weather");
+    assert_eq!(calls[0][0]["index"], 0);
 }

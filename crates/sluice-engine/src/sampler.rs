@@ -45,43 +45,64 @@ impl Sampler {
         Sampler { cfg, rng: Rng(cfg.seed) }
     }
 
+    /// Draws the next token. Only as many candidates are put in order as the cuts
+    /// need (top-k by selection; top-p by growing the sorted prefix until it holds the
+    /// mass), never the whole vocabulary: a full sort of 150k logits took longer than
+    /// a decode step of a small model.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.cfg.temperature <= 0.0 {
             return argmax(logits);
         }
+        let order = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
         let mut idx: Vec<usize> = (0..logits.len()).collect();
-        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        if self.cfg.top_k > 0 {
+        if self.cfg.top_k > 0 && self.cfg.top_k < idx.len() {
+            idx.select_nth_unstable_by(self.cfg.top_k - 1, order);
             idx.truncate(self.cfg.top_k);
         }
         let t = self.cfg.temperature as f64;
-        let max = logits[idx[0]] as f64;
-        let mut p: Vec<f64> = idx.iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
-        let total: f64 = p.iter().sum();
-        p.iter_mut().for_each(|x| *x /= total);
-        // Smallest prefix whose mass reaches top_p.
+        let max = idx.iter().map(|&i| logits[i]).fold(f32::NEG_INFINITY, f32::max) as f64;
+        let weight = |i: usize| ((logits[i] as f64 - max) / t).exp();
+        let total: f64 = idx.iter().map(|&i| weight(i)).sum();
         if self.cfg.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = p.len();
-            for (i, x) in p.iter().enumerate() {
-                acc += x;
-                if acc >= self.cfg.top_p as f64 {
-                    keep = i + 1;
+            // The smallest prefix, in order, whose mass reaches top_p.
+            let need = self.cfg.top_p as f64 * total;
+            let mut m = 64.min(idx.len());
+            loop {
+                if m < idx.len() {
+                    idx.select_nth_unstable_by(m - 1, order);
+                }
+                idx[..m].sort_unstable_by(order);
+                let mut acc = 0.0;
+                let keep = idx[..m].iter().position(|&i| {
+                    acc += weight(i);
+                    acc >= need
+                });
+                if let Some(k) = keep {
+                    idx.truncate(k + 1);
                     break;
                 }
+                if m == idx.len() {
+                    break;
+                }
+                m = (m * 4).min(idx.len());
             }
-            p.truncate(keep);
-            idx.truncate(keep);
         }
-        let total: f64 = p.iter().sum();
-        let mut r = self.rng.next_f64() * total;
-        for (i, x) in p.iter().enumerate() {
-            r -= x;
+        let kept: f64 = idx.iter().map(|&i| weight(i)).sum();
+        let mut r = self.rng.next_f64() * kept;
+        let mut last = idx[0];
+        for &i in &idx {
+            let w = weight(i);
+            r -= w;
             if r < 0.0 {
-                return idx[i] as u32;
+                return i as u32;
+            }
+            if w > 0.0 {
+                last = i;
             }
         }
-        idx[p.len() - 1] as u32
+        // Rounding left a little of r: the last token that had any weight (never one
+        // a grammar ruled out, whose weight is zero).
+        last as u32
     }
 }
 

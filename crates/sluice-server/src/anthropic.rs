@@ -16,26 +16,12 @@ use serde_json::{Value, json};
 use sluice_tokenizer::ChatMessage;
 
 use crate::App;
-use crate::api::{self, Api, ApiError, Defaults, Sampling};
+use crate::api::{self, Api, ApiError, Content, Defaults, Sampling};
 use crate::scheduler::{Event, Finish, FinishReason, GenParams};
 
 const API: Api = Api::Anthropic;
 /// Anthropic's defaults: temperature 1, no top-p or top-k cut.
 const DEFAULTS: Defaults = Defaults { temperature: 1.0, top_p: 1.0, top_k: 0 };
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Content {
-    Text(String),
-    Blocks(Vec<Block>),
-}
-
-#[derive(Deserialize)]
-struct Block {
-    #[serde(rename = "type")]
-    kind: String,
-    text: Option<String>,
-}
 
 #[derive(Deserialize)]
 struct Message {
@@ -45,6 +31,7 @@ struct Message {
 
 #[derive(Deserialize)]
 struct Request {
+    model: Option<String>,
     messages: Vec<Message>,
     max_tokens: i64,
     system: Option<Content>,
@@ -53,27 +40,6 @@ struct Request {
     top_p: Option<f32>,
     top_k: Option<i64>,
     stream: Option<bool>,
-}
-
-fn text_of(c: Content) -> Result<String, ApiError> {
-    match c {
-        Content::Text(t) => Ok(t),
-        Content::Blocks(blocks) => {
-            let mut text = String::new();
-            for b in blocks {
-                match (b.kind.as_str(), b.text) {
-                    ("text", Some(t)) => text += &t,
-                    (kind, _) => {
-                        return Err(ApiError::bad_request(
-                            API,
-                            format!("content blocks of type '{kind}' are not supported (text only)"),
-                        ));
-                    }
-                }
-            }
-            Ok(text)
-        }
-    }
 }
 
 /// Anthropic's stop reason; stop texts from `user_stops` on are the template's own (a
@@ -100,15 +66,16 @@ fn sse(name: &str, v: &Value) -> Result<Sse, Infallible> {
 
 async fn messages_inner(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req: Request = api::parse_body(API, &app.metrics, body)?;
+    api::check_model(app, API, req.model.as_deref())?;
     let mut messages = Vec::new();
     if let Some(s) = req.system {
-        messages.push(ChatMessage::new("system", text_of(s)?));
+        messages.push(ChatMessage::new("system", s.text(API)?));
     }
     for m in req.messages {
         if m.role != "user" && m.role != "assistant" {
             return Err(ApiError::bad_request(API, format!("messages: role '{}' is not user or assistant", m.role)));
         }
-        messages.push(ChatMessage::new(m.role, text_of(m.content)?));
+        messages.push(ChatMessage::new(m.role, m.content.text(API)?));
     }
     let prompt = api::chat_prompt(app, API, &messages, None)?;
     let sampling = Sampling {
@@ -120,8 +87,9 @@ async fn messages_inner(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> 
         max_tokens: Some(req.max_tokens),
         logprobs: None,
         ignore_eos: false,
+        json_schema: None,
     };
-    let mut params = sampling.params(API, DEFAULTS, prompt.len(), app.context)?;
+    let mut params = sampling.params(app, API, DEFAULTS, prompt.len())?;
     let user_stops = params.stop.len();
     api::add_chat_stop(app, &mut params);
     let prompt_tokens = prompt.len();

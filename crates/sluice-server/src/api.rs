@@ -13,6 +13,7 @@ use serde_json::json;
 use sluice_engine::SamplerConfig;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
+use crate::grammar::{Grammar, Grammars};
 use crate::scheduler::{Event, Finish, GenParams, Job, Refused, TokenLogprob};
 use crate::{App, Metrics};
 
@@ -62,8 +63,9 @@ impl ApiError {
             (Api::Anthropic, 401) => "authentication_error",
             (Api::Anthropic, 404) => "not_found_error",
             (Api::Anthropic, 503 | 529) => "overloaded_error",
+            (Api::Anthropic, 408) => "timeout_error",
             (Api::Anthropic, _) => "api_error",
-            (_, 400 | 413 | 422) => "invalid_request_error",
+            (_, 400 | 408 | 413 | 422) => "invalid_request_error",
             (_, 401) => "authentication_error",
             (_, 404) => "not_found_error",
             (_, 503) => "server_overloaded",
@@ -115,6 +117,46 @@ pub fn parse_body<T: DeserializeOwned>(
     serde_json::from_slice(&bytes).map_err(|e| fail(ApiError::bad_request(api, format!("invalid request body: {e}"))))
 }
 
+/// A message's content as OpenAI and Anthropic give it: a string, or a list of typed
+/// parts (`{"type": "text", "text": ..}`), of which only text is taken.
+#[derive(serde::Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(serde::Deserialize, Debug)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+impl Content {
+    /// The text, its parts joined; a part that is not text is refused naming its type.
+    pub fn text(self, api: Api) -> Result<String, ApiError> {
+        match self {
+            Content::Text(t) => Ok(t),
+            Content::Parts(parts) => {
+                let mut text = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => text += &t,
+                        (kind, _) => {
+                            return Err(ApiError::bad_request(
+                                api,
+                                format!("content parts of type '{kind}' are not supported (text only)"),
+                            ));
+                        }
+                    }
+                }
+                Ok(text)
+            }
+        }
+    }
+}
+
 /// One `stop` value: a string or a list of them.
 #[derive(serde::Deserialize, Debug, Clone)]
 #[serde(untagged)]
@@ -147,6 +189,8 @@ pub struct Sampling {
     pub max_tokens: Option<i64>,
     pub logprobs: Option<usize>,
     pub ignore_eos: bool,
+    /// Output constrained to JSON following this schema.
+    pub json_schema: Option<serde_json::Value>,
 }
 
 /// Defaults of one API: temperature, top_p, top_k (0: none).
@@ -159,13 +203,8 @@ pub struct Defaults {
 impl Sampling {
     /// Checks the values and fills in the defaults; `prompt_len` and the context
     /// bound `max_tokens` (when not given: the rest of the context).
-    pub fn params(
-        mut self,
-        api: Api,
-        defaults: Defaults,
-        prompt_len: usize,
-        context: usize,
-    ) -> Result<GenParams, ApiError> {
+    pub fn params(mut self, app: &App, api: Api, defaults: Defaults, prompt_len: usize) -> Result<GenParams, ApiError> {
+        let context = app.context;
         let bad = |m: String| ApiError::bad_request(api, m);
         let temperature = self.temperature.unwrap_or(defaults.temperature);
         if !temperature.is_finite() || temperature < 0.0 {
@@ -217,6 +256,7 @@ impl Sampling {
             stop: self.stop,
             logprobs: self.logprobs,
             ignore_eos: self.ignore_eos,
+            grammar: self.json_schema.map(|s| json_grammar(app, api, s)).transpose()?,
         })
     }
 }
@@ -268,6 +308,28 @@ pub async fn collect(api: Api, mut rx: UnboundedReceiver<Event>) -> Result<Reply
         }
     }
     Err(ApiError::new(api, StatusCode::INTERNAL_SERVER_ERROR, "the request ended without a reply"))
+}
+
+/// A matcher for JSON following `schema`; the vocabulary's trie is built at the first.
+fn json_grammar(app: &App, api: Api, schema: serde_json::Value) -> Result<Grammar, ApiError> {
+    let grammars =
+        app.grammars.get_or_init(|| Grammars::new(app.tok.clone(), app.vocab_size, app.eos).map(std::sync::Arc::new));
+    let grammars = grammars.as_ref().map_err(|e| {
+        ApiError::new(api, StatusCode::INTERNAL_SERVER_ERROR, format!("constrained output is not available: {e}"))
+    })?;
+    grammars.json(schema).map_err(|e| ApiError::bad_request(api, format!("the JSON schema cannot be used: {e}")))
+}
+
+/// A request naming another model than the one served is 404 (naming none is fine).
+pub fn check_model(app: &App, api: Api, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if !m.is_empty() && m != app.cfg.name => Err(ApiError::new(
+            api,
+            StatusCode::NOT_FOUND,
+            format!("the model '{m}' does not exist (this server has '{}')", app.cfg.name),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Encodes a rendered chat prompt or a plain text, answering a tokenizer error with 400.

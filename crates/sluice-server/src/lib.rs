@@ -10,6 +10,7 @@
 
 mod anthropic;
 mod api;
+mod grammar;
 mod metrics;
 mod ollama;
 mod openai;
@@ -48,6 +49,9 @@ pub struct ServeConfig {
     pub name: String,
     /// Largest request body accepted, bytes.
     pub max_body_bytes: usize,
+    /// How long a request body may take to arrive (a client that stalls halfway gets
+    /// 408 after it).
+    pub body_timeout: std::time::Duration,
     pub limits: Limits,
     /// A stop text every chat reply ends at (a base model's transcript template).
     pub chat_stop: Option<String>,
@@ -79,6 +83,10 @@ pub(crate) struct App {
     pub metrics: Arc<Metrics>,
     pub context: usize,
     pub vocab_size: usize,
+    /// The id that ends a reply, for grammars.
+    pub eos: u32,
+    /// Built at the first constrained request (it walks the whole vocabulary).
+    pub grammars: std::sync::OnceLock<std::result::Result<Arc<grammar::Grammars>, String>>,
     /// Unix seconds at start (OpenAI's `created` of the model).
     pub started: u64,
     next_id: AtomicU64,
@@ -103,11 +111,13 @@ pub fn serve<B: Backend>(model: Model<B>, tok: Tokenizer, cfg: ServeConfig) -> R
     let tok = Arc::new(tok);
     let metrics = Arc::new(Metrics::default());
     let stop_ids = tok.stop_ids(&model.spec.eos_token_ids);
-    let scheduler = Scheduler::start(model.clone(), tok.clone(), stop_ids, cfg.limits, metrics.clone());
+    let scheduler = Scheduler::start(model.clone(), tok.clone(), stop_ids.clone(), cfg.limits, metrics.clone());
     let m = model.clone();
     let app = Arc::new(App {
         context: model.max_context,
         vocab_size: model.spec.vocab_size,
+        eos: stop_ids.first().copied().unwrap_or(0),
+        grammars: std::sync::OnceLock::new(),
         tok,
         scheduler,
         metrics,
@@ -155,6 +165,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/show", post(ollama::show))
         .route("/api/version", get(ollama::version))
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(app.clone(), read_body))
         .layer(middleware::from_fn_with_state(app.clone(), authorize))
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(app)
@@ -200,6 +211,39 @@ async fn authorize(State(app): State<Arc<App>>, req: Request, next: Next) -> Res
         }
     }
     next.run(req).await
+}
+
+/// Reads a request's whole body, within `--max-body` and the body timeout, before any
+/// handler sees it: a body too large is 413, one that stalls is 408, and neither holds
+/// anything of the model's.
+async fn read_body(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    let api = Api::of_path(req.uri().path());
+    let limit = app.cfg.max_body_bytes;
+    let too_large = || {
+        app.metrics.rejected.fetch_add(1, Ordering::Relaxed);
+        ApiError::new(api, StatusCode::PAYLOAD_TOO_LARGE, format!("request body too large (at most {limit} bytes)"))
+            .into_response()
+    };
+    let declared =
+        req.headers().get(axum::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return too_large();
+    }
+    let (parts, body) = req.into_parts();
+    match tokio::time::timeout(app.cfg.body_timeout, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await,
+        Ok(Err(e)) if e.to_string().contains("length limit") => too_large(),
+        Ok(Err(e)) => {
+            app.metrics.rejected.fetch_add(1, Ordering::Relaxed);
+            ApiError::bad_request(api, format!("cannot read the request body: {e}")).into_response()
+        }
+        Err(_) => {
+            app.metrics.rejected.fetch_add(1, Ordering::Relaxed);
+            let secs = app.cfg.body_timeout.as_secs_f64();
+            ApiError::new(api, StatusCode::REQUEST_TIMEOUT, format!("the request body did not arrive within {secs} s"))
+                .into_response()
+        }
+    }
 }
 
 /// Compares a presented key with the expected one in time that does not depend on

@@ -43,6 +43,7 @@ impl Options {
             max_tokens: self.num_predict.filter(|&n| n >= 0),
             logprobs: None,
             ignore_eos: false,
+            json_schema: None,
         }
     }
 }
@@ -57,6 +58,7 @@ struct Message {
 
 #[derive(Deserialize)]
 struct ChatRequest {
+    model: Option<String>,
     messages: Vec<Message>,
     stream: Option<bool>,
     #[serde(default)]
@@ -66,6 +68,7 @@ struct ChatRequest {
 
 #[derive(Deserialize)]
 struct GenerateRequest {
+    model: Option<String>,
     #[serde(default)]
     prompt: String,
     system: Option<String>,
@@ -94,14 +97,21 @@ fn rfc3339(unix: u64) -> String {
     format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", secs / 3600, secs / 60 % 60, secs % 60)
 }
 
-fn no_format(format: &Option<Value>, images: bool) -> Result<(), ApiError> {
-    if format.as_ref().is_some_and(|f| !f.is_null() && f != "") {
-        return Err(ApiError::bad_request(API, "format is not supported yet (constrained decoding is not built)"));
-    }
+/// The schema `format` asks the output to follow ("json": any object; an object: that
+/// JSON schema); images are refused.
+fn output_schema(format: Option<Value>, images: bool) -> Result<Option<Value>, ApiError> {
     if images {
         return Err(ApiError::bad_request(API, "images are not supported (text only)"));
     }
-    Ok(())
+    match format {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) if s == "json" => Ok(Some(json!({"type": "object"}))),
+        Some(schema @ Value::Object(_)) => Ok(Some(schema)),
+        Some(other) => {
+            Err(ApiError::bad_request(API, format!("format must be \"json\" or a JSON schema, got {other}")))
+        }
+    }
 }
 
 fn done_reason(f: &Finish) -> &'static str {
@@ -155,12 +165,12 @@ async fn respond(
     app: &App,
     shape: Shape,
     prompt: Vec<u32>,
-    options: Options,
+    sampling: Sampling,
     stream: bool,
     chat: bool,
 ) -> Result<Response, ApiError> {
     let begun = Instant::now();
-    let mut params = options.sampling().params(API, DEFAULTS, prompt.len(), app.context)?;
+    let mut params = sampling.params(app, API, DEFAULTS, prompt.len())?;
     if chat {
         api::add_chat_stop(app, &mut params);
     }
@@ -185,11 +195,15 @@ async fn respond(
 pub async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
     let run = async {
         let req: ChatRequest = api::parse_body(API, &app.metrics, body)?;
-        no_format(&req.format, req.messages.iter().any(|m| m.images.as_ref().is_some_and(|i| !i.is_empty())))?;
+        api::check_model(&app, API, req.model.as_deref())?;
+        let images = req.messages.iter().any(|m| m.images.as_ref().is_some_and(|i| !i.is_empty()));
+        let schema = output_schema(req.format, images)?;
         let messages: Vec<ChatMessage> =
             req.messages.into_iter().map(|m| ChatMessage::new(m.role, m.content)).collect();
         let prompt = api::chat_prompt(&app, API, &messages, None)?;
-        respond(&app, Shape::Chat, prompt, req.options, req.stream.unwrap_or(true), true).await
+        let mut sampling = req.options.sampling();
+        sampling.json_schema = schema;
+        respond(&app, Shape::Chat, prompt, sampling, req.stream.unwrap_or(true), true).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -197,7 +211,8 @@ pub async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejectio
 pub async fn generate(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
     let run = async {
         let req: GenerateRequest = api::parse_body(API, &app.metrics, body)?;
-        no_format(&req.format, req.images.as_ref().is_some_and(|i| !i.is_empty()))?;
+        api::check_model(&app, API, req.model.as_deref())?;
+        let schema = output_schema(req.format, req.images.as_ref().is_some_and(|i| !i.is_empty()))?;
         if req.prompt.is_empty() {
             // Ollama answers an empty prompt by loading the model; it is loaded.
             let head = Shape::Generate.piece(&app.cfg.name, "");
@@ -212,7 +227,9 @@ pub async fn generate(State(app): State<Arc<App>>, body: Result<Bytes, BytesReje
             messages.push(ChatMessage::new("user", req.prompt));
             api::chat_prompt(&app, API, &messages, None)?
         };
-        respond(&app, Shape::Generate, prompt, req.options, req.stream.unwrap_or(true), !raw).await
+        let mut sampling = req.options.sampling();
+        sampling.json_schema = schema;
+        respond(&app, Shape::Generate, prompt, sampling, req.stream.unwrap_or(true), !raw).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }

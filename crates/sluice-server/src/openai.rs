@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use sluice_tokenizer::ChatMessage;
 
-use crate::api::{self, Api, ApiError, Defaults, MAX_TOP_LOGPROBS, Reply, Sampling, StopField};
+use crate::api::{self, Api, ApiError, Content, Defaults, MAX_TOP_LOGPROBS, Reply, Sampling, StopField};
 use crate::scheduler::{Event, Finish, FinishReason, GenParams, TokenLogprob};
 use crate::{App, tools};
 
@@ -53,20 +53,6 @@ struct StreamOptions {
 }
 
 #[derive(Deserialize)]
-#[serde(untagged)]
-enum Content {
-    Text(String),
-    Parts(Vec<Part>),
-}
-
-#[derive(Deserialize)]
-struct Part {
-    #[serde(rename = "type")]
-    kind: String,
-    text: Option<String>,
-}
-
-#[derive(Deserialize)]
 struct Message {
     role: String,
     content: Option<Content>,
@@ -78,6 +64,7 @@ struct Message {
 /// Fields both endpoints take.
 #[derive(Deserialize)]
 struct Common {
+    model: Option<String>,
     temperature: Option<f32>,
     top_p: Option<f32>,
     top_k: Option<i64>,
@@ -134,6 +121,7 @@ impl Common {
             max_tokens: max_tokens.or(self.max_tokens),
             logprobs,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            json_schema: None,
         }
     }
 
@@ -150,25 +138,7 @@ impl Common {
 }
 
 fn message_of(m: Message) -> Result<ChatMessage, ApiError> {
-    let content = match m.content {
-        None => String::new(),
-        Some(Content::Text(t)) => t,
-        Some(Content::Parts(parts)) => {
-            let mut text = String::new();
-            for p in parts {
-                match (p.kind.as_str(), p.text) {
-                    ("text", Some(t)) => text += &t,
-                    (kind, _) => {
-                        return Err(ApiError::bad_request(
-                            API,
-                            format!("content parts of type '{kind}' are not supported (text only)"),
-                        ));
-                    }
-                }
-            }
-            text
-        }
-    };
+    let content = m.content.map(|c| c.text(API)).transpose()?.unwrap_or_default();
     // OpenAI's tool calls carry their arguments as a JSON text; templates (Qwen's,
     // Llama's) write `arguments` out with tojson, so they get the object.
     let tool_calls = m.tool_calls.map(|mut calls| {
@@ -246,16 +216,9 @@ pub async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejectio
 
 async fn chat_inner(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req: ChatRequest = api::parse_body(API, &app.metrics, body)?;
+    api::check_model(app, API, req.common.model.as_deref())?;
     let n = req.common.choices()?;
-    match req.response_format.as_ref().and_then(|f| f.get("type")).and_then(Value::as_str) {
-        None | Some("text") => {}
-        Some(other) => {
-            return Err(ApiError::bad_request(
-                API,
-                format!("response_format '{other}' is not supported yet (constrained decoding is not built)"),
-            ));
-        }
-    }
+    let json_schema = response_schema(req.response_format.as_ref())?;
     if req.top_logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
         return Err(ApiError::bad_request(API, format!("top_logprobs may be at most {MAX_TOP_LOGPROBS}")));
     }
@@ -265,8 +228,9 @@ async fn chat_inner(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Resu
     let messages = req.messages.into_iter().map(message_of).collect::<Result<Vec<_>, _>>()?;
     let prompt = api::chat_prompt(app, API, &messages, tools.as_ref())?;
     let logprobs = req.logprobs.unwrap_or(false).then(|| req.top_logprobs.unwrap_or(0));
-    let mut params =
-        req.common.sampling(req.max_completion_tokens, logprobs).params(API, DEFAULTS, prompt.len(), app.context)?;
+    let mut sampling = req.common.sampling(req.max_completion_tokens, logprobs);
+    sampling.json_schema = json_schema;
+    let mut params = sampling.params(app, API, DEFAULTS, prompt.len())?;
     api::add_chat_stop(app, &mut params);
     let id = app.id("chatcmpl-");
     let created = crate::unix_now();
@@ -362,6 +326,24 @@ async fn chat_inner(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Resu
     Ok(SseBody::new(stream).into_response())
 }
 
+/// The schema `response_format` asks the output to follow: none for `text`, any object
+/// for `json_object`, `json_schema.schema` for `json_schema`.
+fn response_schema(format: Option<&Value>) -> Result<Option<Value>, ApiError> {
+    let Some(f) = format else { return Ok(None) };
+    match f.get("type").and_then(Value::as_str) {
+        None | Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "object"}))),
+        Some("json_schema") => match f.get("json_schema").and_then(|j| j.get("schema")) {
+            Some(s) if s.is_object() || s.is_boolean() => Ok(Some(s.clone())),
+            _ => Err(ApiError::bad_request(API, "response_format json_schema needs json_schema.schema, an object")),
+        },
+        Some(other) => Err(ApiError::bad_request(
+            API,
+            format!("response_format '{other}' is not one of text, json_object, json_schema"),
+        )),
+    }
+}
+
 fn tool_calls_json(app: &App, calls: &[tools::ToolCall]) -> Value {
     calls
         .iter()
@@ -394,6 +376,7 @@ fn completion_logprobs(lps: &[TokenLogprob], start: usize) -> Value {
 
 async fn completions_inner(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req: CompletionRequest = api::parse_body(API, &app.metrics, body)?;
+    api::check_model(app, API, req.common.model.as_deref())?;
     let n = req.common.choices()?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::bad_request(API, "suffix is not supported"));
@@ -421,7 +404,7 @@ async fn completions_inner(app: &Arc<App>, body: Result<Bytes, BytesRejection>) 
         .echo
         .unwrap_or(false)
         .then(|| if prompt_text.is_empty() { app.tok.decode(&prompt, false).unwrap_or_default() } else { prompt_text });
-    let params = req.common.sampling(None, req.logprobs).params(API, DEFAULTS, prompt.len(), app.context)?;
+    let params = req.common.sampling(None, req.logprobs).params(app, API, DEFAULTS, prompt.len())?;
     let id = app.id("cmpl-");
     let created = crate::unix_now();
     let name = app.cfg.name.clone();

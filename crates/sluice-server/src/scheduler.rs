@@ -19,6 +19,7 @@ use sluice_engine::{Backend, Chunk, Logits, Model, Sampler, SamplerConfig, SeqSt
 use sluice_tokenizer::{StopText, StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::grammar::Grammar;
 use crate::metrics::Metrics;
 use crate::prefix::PrefixCache;
 
@@ -32,6 +33,8 @@ pub struct GenParams {
     pub stop: Vec<String>,
     /// Log-probabilities of each chosen token, with this many alternatives.
     pub logprobs: Option<usize>,
+    /// Output constrained to a grammar (JSON following a schema).
+    pub grammar: Option<Grammar>,
     /// Go on past end-of-turn tokens (vLLM's and llama.cpp's `ignore_eos`, for
     /// benchmarks that want a fixed length).
     pub ignore_eos: bool,
@@ -74,6 +77,13 @@ pub enum FinishReason {
     StopText(usize),
     /// `max_tokens` or the context.
     Length,
+}
+
+/// How a sequence ends.
+enum End {
+    Finished(FinishReason),
+    /// Generation cannot go on (the grammar allows no token): the request fails.
+    Failed(String),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -190,6 +200,7 @@ struct Seq<'t, B: Backend> {
     cached: usize,
     generated: usize,
     sampler: Sampler,
+    grammar: Option<Grammar>,
     decoder: StreamDecoder<'t>,
     stop: StopText,
     started: Instant,
@@ -293,6 +304,7 @@ impl<'a, B: Backend> Worker<'a, B> {
         let now = Instant::now();
         Some(Seq {
             sampler: Sampler::new(job.params.sampler),
+            grammar: job.params.grammar.clone(),
             stop: StopText::new(job.params.stop.clone()),
             phase: Phase::Prefill(cached),
             held,
@@ -393,8 +405,8 @@ impl<'a, B: Backend> Worker<'a, B> {
                             Phase::Prefill(fed) => s.held.extend(&s.job.prompt[fed..]),
                             Phase::Decode(t) => s.held.push(t),
                         }
-                        if let Some(reason) = self.sample(s, &logits) {
-                            self.finish(s, reason);
+                        if let Some(end) = self.sample(s, &logits) {
+                            self.finish(s, end);
                             finished.push((i, true));
                         }
                     }
@@ -414,8 +426,19 @@ impl<'a, B: Backend> Worker<'a, B> {
 
     /// Samples the next token from `logits`, streams its text, and says whether the
     /// sequence has ended.
-    fn sample(&self, s: &mut Seq<'a, B>, logits: &[f32]) -> Option<FinishReason> {
+    fn sample(&self, s: &mut Seq<'a, B>, logits: &[f32]) -> Option<End> {
         let now = Instant::now();
+        let mut masked;
+        let logits = match &mut s.grammar {
+            None => logits,
+            Some(g) => {
+                masked = logits.to_vec();
+                if let Err(e) = g.mask(&mut masked, &self.stop_ids) {
+                    return Some(End::Failed(e));
+                }
+                &masked[..]
+            }
+        };
         let id = s.sampler.sample(logits);
         let logprob = s.job.params.logprobs.map(|n| self.logprob(logits, id, n));
         s.generated += 1;
@@ -430,19 +453,27 @@ impl<'a, B: Backend> Worker<'a, B> {
         self.shared.metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
         if !s.job.params.ignore_eos && self.stop_ids.contains(&id) {
             s.generated -= 1;
-            return Some(FinishReason::Eos);
+            return Some(End::Finished(FinishReason::Eos));
         }
         // The id came from the model's own vocabulary, which the decoder knows.
         let text = s.decoder.push(id).unwrap_or_default();
+        let complete = match s.grammar.as_mut().map(|g| g.advance(id)) {
+            Some(Err(e)) => return Some(End::Failed(e)),
+            Some(Ok(done)) => done,
+            None => false,
+        };
         let (shown, stopped) = s.stop.push(&text);
         let _ = s.job.events.send(Event::Token { text: shown, logprob });
+        if complete {
+            return Some(End::Finished(FinishReason::Eos));
+        }
         if stopped {
             let i = s.job.params.stop.iter().position(|t| Some(t.as_str()) == s.stop.matched()).unwrap_or(0);
-            return Some(FinishReason::StopText(i));
+            return Some(End::Finished(FinishReason::StopText(i)));
         }
         let room = self.model.max_context.saturating_sub(s.state.len());
         if s.generated >= s.job.params.max_tokens || room == 0 {
-            return Some(FinishReason::Length);
+            return Some(End::Finished(FinishReason::Length));
         }
         s.phase = Phase::Decode(id);
         None
@@ -472,7 +503,15 @@ impl<'a, B: Backend> Worker<'a, B> {
     }
 
     /// Sends what was held back and the end of the request.
-    fn finish(&self, s: &mut Seq<'a, B>, reason: FinishReason) {
+    fn finish(&self, s: &mut Seq<'a, B>, end: End) {
+        let reason = match end {
+            End::Finished(r) => r,
+            End::Failed(e) => {
+                self.shared.metrics.failed.fetch_add(1, Ordering::Relaxed);
+                let _ = s.job.events.send(Event::Failed(e));
+                return;
+            }
+        };
         if !matches!(reason, FinishReason::StopText(_)) {
             let rest = s.decoder.finish().unwrap_or_default();
             let (mut text, stopped) = s.stop.push(&rest);

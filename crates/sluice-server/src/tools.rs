@@ -2,6 +2,8 @@
 //! Hermes/Qwen's `<tool_call>{"name": .., "arguments": {..}}</tool_call>` blocks (Qwen2.5,
 //! Qwen3, SmolLM3, many fine-tunes) and Llama 3's bare JSON object `{"name": ..,
 //! "parameters": {..}}` (optionally after `<|python_tag|>`), which is the whole reply.
+//! Small models given Hermes-style tools often write the call as a fenced JSON block
+//! instead (Qwen2.5-Coder-1.5B does): a reply that is one such block counts too.
 
 use serde_json::Value;
 
@@ -40,6 +42,7 @@ pub fn parse(reply: &str) -> (String, Vec<ToolCall>) {
     text += rest;
     if calls.is_empty() {
         let bare = reply.trim().trim_start_matches("<|python_tag|>").trim();
+        let bare = fenced(bare).unwrap_or(bare);
         if bare.starts_with('{')
             && let Some(c) = call_of(bare)
         {
@@ -47,6 +50,13 @@ pub fn parse(reply: &str) -> (String, Vec<ToolCall>) {
         }
     }
     (text.trim().to_string(), calls)
+}
+
+/// The inside of a reply that is one fenced code block (```json ... ```).
+fn fenced(reply: &str) -> Option<&str> {
+    let inner = reply.strip_prefix("```")?.strip_suffix("```")?;
+    let inner = inner.strip_prefix("json").unwrap_or(inner);
+    (!inner.contains("```")).then(|| inner.trim())
 }
 
 /// `{"name": "f", "arguments": {..}}` or `{"name": "f", "parameters": {..}}` as a call.
@@ -86,6 +96,12 @@ mod tests {
         assert_eq!(parse(r), (String::new(), vec![call("get_weather", r#"{"city":"Oslo"}"#)]));
         let tagged = "<|python_tag|>{\"name\": \"f\", \"parameters\": {}}";
         assert_eq!(parse(tagged).1, vec![call("f", "{}")]);
+        // Qwen2.5-Coder-1.5B's answer to a get_weather tool, as it wrote it.
+        let fence =
+            "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\n    \"city\": \"Paris\"\n  }\n}\n```";
+        assert_eq!(parse(fence), (String::new(), vec![call("get_weather", r#"{"city":"Paris"}"#)]));
+        // A code block that is not a call stays text.
+        assert_eq!(parse("```json\n{\"a\": 1}\n```").1, vec![]);
     }
 
     #[test]

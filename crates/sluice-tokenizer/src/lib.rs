@@ -220,6 +220,37 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes each id stands for, by id: what constrained decoding matches grammars
+    /// against. A byte-level BPE vocabulary (GPT-2's, Llama 3's, Qwen's: its space is
+    /// `Ġ`) maps each character back to its byte; a SentencePiece one reads `▁` as a
+    /// space and `<0xAB>` as that byte. Special tokens are 0xFF then their text, the
+    /// convention of the `toktrie` crate, so that no text can match them.
+    pub fn token_bytes(&self) -> Vec<Vec<u8>> {
+        let n = self.vocab_size() as u32;
+        let byte_level = self.inner.token_to_id("\u{120}").is_some();
+        let unbyte = byte_level_inverse();
+        (0..n)
+            .map(|id| {
+                let Some(tok) = self.inner.id_to_token(id) else { return Vec::new() };
+                if self.special_ids.contains(&id) {
+                    let mut v = vec![0xff];
+                    v.extend(tok.as_bytes());
+                    return v;
+                }
+                if byte_level {
+                    let bytes: Option<Vec<u8>> =
+                        tok.chars().map(|c| unbyte.get(c as usize).copied().flatten()).collect();
+                    return bytes.unwrap_or_else(|| tok.into_bytes());
+                }
+                let hex = tok.strip_prefix("<0x").and_then(|h| h.strip_suffix('>'));
+                match hex.filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                    Some(b) => vec![b],
+                    None => tok.replace('\u{2581}', " ").into_bytes(),
+                }
+            })
+            .collect()
+    }
+
     pub fn bos_id(&self) -> Option<u32> {
         self.bos_id
     }
@@ -399,4 +430,23 @@ fn find_template(
         return Ok(Some(TemplateSource { name: json_path.display().to_string(), text: text.to_string() }));
     }
     Ok(None)
+}
+
+/// GPT-2's byte-level alphabet read backwards: the byte each of its characters stands
+/// for, by code point. Printable bytes are their own character; the others (0-32,
+/// 127-160, 173) were moved to 256 and up, in order.
+fn byte_level_inverse() -> Vec<Option<u8>> {
+    let mut inv = vec![None; 512];
+    let mut moved = 0;
+    for b in 0..=255u8 {
+        let printable = matches!(b, 33..=126 | 161..=172 | 174..=255);
+        let c = if printable {
+            b as usize
+        } else {
+            moved += 1;
+            255 + moved
+        };
+        inv[c] = Some(b);
+    }
+    inv
 }

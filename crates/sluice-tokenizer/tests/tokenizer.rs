@@ -236,6 +236,27 @@ fn sentencepiece_roundtrip_and_byte_fallback() {
     }
 }
 
+/// Each id's bytes (what constrained decoding matches grammars against) joined over an
+/// encoding are the text's bytes, in both vocabulary kinds; special tokens are marked.
+#[test]
+fn token_bytes_spell_the_text() {
+    let join = |tok: &Tokenizer, ids: &[u32]| {
+        let bytes = tok.token_bytes();
+        ids.iter().flat_map(|&i| bytes[i as usize].clone()).collect::<Vec<u8>>()
+    };
+    let bl = Tokenizer::from_hf_dir(&byte_level_folder("bl_bytes")).unwrap();
+    assert_eq!(bl.token_bytes().len(), bl.vocab_size());
+    for text in [MIXED, "tab\tnew\nline\r\n", " x "] {
+        assert_eq!(join(&bl, &bl.encode(text, false).unwrap()), text.as_bytes(), "{text:?}");
+    }
+    assert_eq!(bl.token_bytes()[BL_IM_END as usize], b"\xff<|im_end|>");
+    let sp = Tokenizer::from_hf_dir(&sentencepiece_folder("sp_bytes")).unwrap();
+    for text in [MIXED, "Hello  world ", "é"] {
+        // SentencePiece writes a space before the text.
+        assert_eq!(join(&sp, &sp.encode(text, false).unwrap()), format!(" {text}").as_bytes(), "{text:?}");
+    }
+}
+
 #[test]
 fn add_special_prepends_bos() {
     let tok = Tokenizer::from_hf_dir(&byte_level_folder("bl_bos")).unwrap();
