@@ -21,6 +21,7 @@ use sluice_core::{Error, Result};
 
 pub use stop::StopText;
 pub use stream::StreamDecoder;
+pub use template::civil_from_days;
 use template::{ChatTemplate, TemplateSource};
 
 /// One message of a conversation, as chat templates expect it.

@@ -188,7 +188,7 @@ pub(crate) fn strftime_utc(format: &str, unix_secs: i64) -> String {
 
 /// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian calendar
 /// (Howard Hinnant's `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
+pub fn civil_from_days(days: i64) -> (i64, i64, i64) {
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z.rem_euclid(146_097);
