@@ -3,9 +3,13 @@
 completions of a fixed length, as DESIGN.md's llama-server figures were measured.
 
     scripts/bench_serve.py --url http://127.0.0.1:8080 --clients 1 8 64 --tokens 64 [--rounds 1]
+    scripts/bench_serve.py --url sluice=http://127.0.0.1:8080 llama-server=http://127.0.0.1:8081 --rounds 3
 
 Prints, per client count, the aggregate generated tokens per second (all clients'
-tokens over the wall time of the round), and time to first token p50 / p99. Standard
+tokens over the wall time of the round), and time to first token p50 / p99, the
+medians over the rounds. Several servers (NAME=URL) take turns round by round, so a
+drift of the machine's speed falls on each alike; the last column is each server's
+throughput over the first one's. Standard
 library only; the server must accept `ignore_eos` (sluice and llama.cpp do) so every
 answer has exactly --tokens tokens.
 """
@@ -85,18 +89,27 @@ def round_of(url, clients, tokens):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:8080")
+    ap.add_argument("--url", nargs="+", default=["http://127.0.0.1:8080"], help="URL or NAME=URL, one per server")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
     a = ap.parse_args()
-    print("clients  aggregate tok/s  ttft p50 s  ttft p99 s")
+    servers = [u.split("=", 1) if "=" in u else [u, u] for u in a.url]
+    width = max(len(name) for name, _ in servers)
+    print(f"{'server':{width}}  clients  aggregate tok/s  ttft p50 s  ttft p99 s  vs first", flush=True)
     for n in a.clients:
-        rows = [round_of(a.url, n, a.tokens) for _ in range(a.rounds)]
-        agg = statistics.median(r[0] for r in rows)
-        p50 = statistics.median(r[1] for r in rows)
-        p99 = statistics.median(r[2] for r in rows)
-        print(f"{n:7d}  {agg:15.1f}  {p50:10.2f}  {p99:10.2f}", flush=True)
+        rows = {name: [] for name, _ in servers}
+        for _ in range(a.rounds):
+            for name, url in servers:
+                rows[name].append(round_of(url, n, a.tokens))
+        base = None
+        for name, _ in servers:
+            r = rows[name]
+            agg = statistics.median(x[0] for x in r)
+            p50 = statistics.median(x[1] for x in r)
+            p99 = statistics.median(x[2] for x in r)
+            base = base or agg
+            print(f"{name:{width}}  {n:7d}  {agg:15.1f}  {p50:10.2f}  {p99:10.2f}  {agg / base:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,18 @@ impl Server {
         Response::parse(&raw)
     }
 
+    /// The server's resident memory and its peak, KiB (Linux; `None` elsewhere).
+    fn memory_kib(&self) -> Option<(u64, u64)> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        };
+        Some((field("VmRSS:")?, field("VmHWM:")?))
+    }
+
     fn post(&self, path: &str, body: &Value) -> Response {
         self.request("POST", path, &[], &body.to_string())
     }
@@ -284,6 +296,68 @@ fn openai_answers_equal_sluice_run() {
     }
 }
 
+/// A streamed response's chunks, without `[DONE]` (which it must end with).
+fn stream_chunks(r: &Response) -> Vec<Value> {
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events = r.events();
+    assert_eq!(events.last().unwrap().1, "[DONE]", "{}", r.body);
+    events[..events.len() - 1].iter().map(|(_, d)| serde_json::from_str(d).unwrap()).collect()
+}
+
+/// `n` choices streamed come as they are made, each under its index, and join into the
+/// texts the same request gets whole; one usage chunk counts them all. With tools
+/// given, a reply that is no call streams as it comes too.
+#[test]
+fn several_choices_stream_and_join_into_the_whole() {
+    let server = Server::start(&fixture("qwen3"), &[]);
+    for chat in [false, true] {
+        let (path, mut body) = if chat {
+            ("/v1/chat/completions", chat_body("tell me a story", 10))
+        } else {
+            ("/v1/completions", json!({"prompt": "once upon a time", "max_tokens": 10}))
+        };
+        body["n"] = json!(3);
+        body["temperature"] = json!(1.0);
+        body["seed"] = json!(11);
+        let whole = server.post(path, &body).json();
+        let text = |c: &Value| if chat { c["message"]["content"].clone() } else { c["text"].clone() };
+        let want: Vec<Value> = (0..3).map(|i| text(&whole["choices"][i])).collect();
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let mut got = vec![String::new(); 3];
+        let mut finishes = [0; 3];
+        let mut usage = Vec::new();
+        for c in stream_chunks(&server.post(path, &body)) {
+            if c["choices"].as_array().unwrap().is_empty() {
+                usage.push(c["usage"].clone());
+            }
+            for ch in c["choices"].as_array().unwrap() {
+                let i = ch["index"].as_u64().unwrap() as usize;
+                let piece = if chat { &ch["delta"]["content"] } else { &ch["text"] };
+                got[i] += piece.as_str().unwrap_or("");
+                finishes[i] += usize::from(!ch["finish_reason"].is_null());
+            }
+        }
+        assert_eq!(got.iter().map(|t| json!(t)).collect::<Vec<_>>(), want, "{path}");
+        assert_eq!(finishes, [1, 1, 1]);
+        assert_eq!(usage.len(), 1);
+        assert_eq!(usage[0]["completion_tokens"], whole["usage"]["completion_tokens"]);
+    }
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    let mut body = chat_body("tell me a story", 16);
+    body["tools"] = tools;
+    let whole = server.post("/v1/chat/completions", &body).json();
+    let content = whole["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    body["stream"] = json!(true);
+    let pieces: Vec<String> = stream_chunks(&server.post("/v1/chat/completions", &body))
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+        .filter(|t| !t.is_empty())
+        .collect();
+    assert!(pieces.len() > 1, "the reply came in one piece: {pieces:?}");
+    assert_eq!(pieces.concat().trim(), content);
+}
+
 #[test]
 fn requests_together_get_what_each_gets_alone() {
     let model = fixture("qwen3-moe");
@@ -348,6 +422,48 @@ fn a_conversation_continues_from_its_kept_state() {
     let again = ask(&cold, &messages);
     assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     assert!(again["choices"][0]["message"]["content"].as_str().unwrap().contains("Berlin"));
+}
+
+/// Two prompts that share a long beginning (a system prompt) and differ after it: the
+/// second starts from a copy of the first's state at the shared part, and answers what
+/// it answers with nothing kept. A sliding-window model whose ring has gone past the
+/// shared part computes it again.
+#[test]
+fn a_shared_beginning_is_computed_once() {
+    let system = "You are a careful assistant who answers in one short sentence, \
+                  and you never repeat the question back to the one who asked it.";
+    let ask = |server: &Server, question: &str| {
+        let r = server.post(
+            "/v1/completions",
+            &json!({"prompt": format!("{system} {question}"), "max_tokens": 8, "temperature": 0}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let r = r.json();
+        let cached = r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        (r["choices"][0]["text"].as_str().unwrap().to_string(), cached, r["usage"]["prompt_tokens"].as_u64().unwrap())
+    };
+    for (fixture_name, ring_gone_past) in [("qwen3-moe", false), ("gemma3", true)] {
+        let model = fixture(fixture_name);
+        let server = Server::start(&model, &[]);
+        let cold = Server::start(&model, &["--prompt-cache", "0"]);
+        ask(&server, "What is a river?");
+        let (text, cached, prompt) = ask(&server, "Why do cats purr?");
+        let (want, none, _) = ask(&cold, "Why do cats purr?");
+        assert_eq!(none, 0);
+        assert_eq!(text, want, "{fixture_name}");
+        if ring_gone_past {
+            assert_eq!(cached, 0, "{fixture_name}");
+        } else {
+            assert!(cached >= 16 && cached < prompt, "{fixture_name}: {cached} of {prompt} cached");
+        }
+        // The first conversation's state stays for its own next turn.
+        let (_, again, _) = ask(&server, "What is a river?");
+        assert!(ring_gone_past || again == prompt_len(&server, &format!("{system} What is a river?")) - 1);
+    }
+}
+
+fn prompt_len(server: &Server, prompt: &str) -> u64 {
+    completion(server, prompt, 1)["usage"]["prompt_tokens"].as_u64().unwrap()
 }
 
 #[test]
@@ -462,9 +578,9 @@ fn bad_requests_get_each_apis_error() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": true}).to_string(),
+            json!({"messages": [{"role": "user", "content": "hi"}], "n": 9, "stream": true}).to_string(),
             400,
-            "n > 1",
+            "n may be at most 8",
         ),
         (
             "/v1/chat/completions",
@@ -617,10 +733,12 @@ fn a_stalled_request_times_out_and_others_go_on() {
 }
 
 /// 64 clients streaming at once (8 in the batch, the rest queued): no errors, and each
-/// answer is the one its request gets alone.
+/// answer is the one its request gets alone; memory is bounded by the batch and the
+/// prompt cache, not by the clients: a second round of 64 leaves it where the first did.
 #[test]
 fn sixty_four_clients_at_once() {
-    let server = Server::start(&fixture("qwen3-moe"), &[]);
+    let server = Server::start(&fixture("qwen3-moe"), &["--prompt-cache", "4MiB"]);
+    let idle = server.memory_kib();
     let prompt = |i: usize| format!("client {i} says hello to {}", i * 7);
     let ask = |i: usize, stream: bool| {
         let body = json!({"prompt": prompt(i), "max_tokens": 12, "temperature": 0, "stream": stream});
@@ -636,12 +754,24 @@ fn sixty_four_clients_at_once() {
             .map(|(_, d)| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
             .collect::<String>()
     };
-    let together: Vec<String> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..64).map(|i| s.spawn(move || ask(i, true))).collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let all_at_once = || -> Vec<String> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..64).map(|i| s.spawn(move || ask(i, true))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let together = all_at_once();
+    let after_one = server.memory_kib();
+    assert_eq!(all_at_once(), together);
+    let after_two = server.memory_kib();
     for (i, t) in together.iter().enumerate().step_by(7) {
         assert_eq!(*t, ask(i, false), "client {i}");
+    }
+    if let (Some(idle), Some((rss1, peak1)), Some((rss2, peak2))) = (idle, after_one, after_two) {
+        // The tiny model's 8 running states and the 4 MiB cache are a few MiB; 64
+        // clients' connections and queued requests must not add more than that.
+        assert!(peak1.saturating_sub(idle.0) < 48 * 1024, "peak {peak1} KiB against {} KiB idle", idle.0);
+        assert!(rss2 <= rss1 + 8 * 1024 && peak2 <= peak1 + 8 * 1024, "{rss1}/{peak1} KiB then {rss2}/{peak2} KiB");
     }
     assert_eq!(metric(&server, "sluice_requests_failed_total"), 0.0);
     assert_eq!(metric(&server, "sluice_requests_rejected_total"), 0.0);

@@ -63,6 +63,27 @@ impl KvCache {
         &self.v[s..s + self.kv_dim]
     }
 
+    /// A cache holding this one's positions `0..keep` (as a ring: the last `window` of
+    /// them), or `None` when some of those positions are no longer held (a ring that
+    /// has gone round past them). For a prompt that shares only a prefix with a kept
+    /// sequence (the same system prompt, another question).
+    pub fn prefix(&self, keep: usize) -> Option<KvCache> {
+        let from = self.window.map_or(0, |w| keep.saturating_sub(w));
+        if keep > self.len || from < self.first() {
+            return None;
+        }
+        // A ring keeps position `pos` in slot `pos % window` whatever its length, so the
+        // slots of positions `from..keep` are the first `min(keep, window)` as they are.
+        let rows = self.window.map_or(keep, |w| keep.min(w)) * self.kv_dim;
+        Some(KvCache {
+            kv_dim: self.kv_dim,
+            window: self.window,
+            k: self.k[..rows].to_vec(),
+            v: self.v[..rows].to_vec(),
+            len: keep,
+        })
+    }
+
     /// Appends `n` positions (`[n, kv_dim]` each).
     pub fn append(&mut self, k: &[f32], v: &[f32]) {
         let d = self.kv_dim;
@@ -217,6 +238,45 @@ mod tests {
             }
         }
         out
+    }
+
+    /// A cache's prefix holds what a cache fed only those positions holds, for full
+    /// caches and rings; a ring that has gone past the positions gives none.
+    #[test]
+    fn prefix_equals_a_cache_fed_that_far() {
+        let d = 3;
+        let row = |pos: usize, s: f32| (0..d).map(|j| s * pos as f32 + j as f32).collect::<Vec<f32>>();
+        let fed = |window: Option<usize>, n: usize| {
+            let mut c = KvCache::new(d, window);
+            for pos in 0..n {
+                c.append(&row(pos, 1.0), &row(pos, -1.0));
+            }
+            c
+        };
+        for window in [None, Some(4)] {
+            let full = fed(window, 4);
+            for keep in 0..=4 {
+                let p = full.prefix(keep).expect("all positions held");
+                let want = fed(window, keep);
+                assert_eq!((p.len(), p.first()), (want.len(), want.first()));
+                for pos in p.first()..keep {
+                    assert_eq!((p.key(pos), p.value(pos)), (want.key(pos), want.value(pos)), "{window:?} {keep} {pos}");
+                }
+            }
+            assert!(full.prefix(5).is_none());
+        }
+        let ring = fed(Some(4), 10);
+        assert!(ring.prefix(7).is_none(), "positions 3..6 are overwritten");
+        let p = ring.prefix(10).unwrap();
+        for pos in 6..10 {
+            assert_eq!(p.key(pos), row(pos, 1.0));
+        }
+        // Appending to a prefix continues it as the original went on.
+        let mut p = fed(Some(4), 4).prefix(3).unwrap();
+        p.append(&row(9, 1.0), &row(9, -1.0));
+        p.append(&row(10, 1.0), &row(10, -1.0));
+        assert_eq!((p.first(), p.key(3), p.key(4)), (1, &row(9, 1.0)[..], &row(10, 1.0)[..]));
+        assert_eq!(p.key(2), row(2, 1.0));
     }
 
     /// Prefill in one chunk, in chunks, and one token at a time through a ring all

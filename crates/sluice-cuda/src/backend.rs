@@ -692,6 +692,31 @@ impl Backend for Cuda {
         2 * kv.cap * kv.kv_dim * 4
     }
 
+    fn kv_prefix(&self, kv: &DevKv, keep: usize) -> Result<Option<DevKv>> {
+        let first = kv.window.map_or(0, |w| kv.len.saturating_sub(w));
+        let from = kv.window.map_or(0, |w| keep.saturating_sub(w));
+        if keep > kv.len || from < first {
+            return Ok(None);
+        }
+        // Slots as the host cache's: position `pos` in `pos % window` of a ring, so the
+        // first `min(keep, window)` slots hold positions `from..keep` as they are.
+        let rows = kv.window.map_or(keep, |w| keep.min(w)).max(1);
+        let n = keep.min(rows).min(kv.cap) * kv.kv_dim;
+        let copy = |src: &CudaSlice<f32>| -> Result<CudaSlice<f32>> {
+            let mut buf = self.dev.zeros::<f32>(rows * kv.kv_dim)?;
+            if n > 0 {
+                self.dev
+                    .stream
+                    .memcpy_dtod(&src.slice(..n), &mut buf.slice_mut(..n))
+                    .map_err(|e| fail("copying a KV cache's prefix", e))?;
+            }
+            Ok(buf)
+        };
+        let out =
+            DevKv { kv_dim: kv.kv_dim, window: kv.window, k: copy(&kv.k)?, v: copy(&kv.v)?, cap: rows, len: keep };
+        Ok(Some(out))
+    }
+
     fn kv_append(&self, kv: &mut DevKv, k: &DevAct, v: &DevAct, seq: SeqRows) -> Result<()> {
         let (d, n) = (kv.kv_dim, seq.rows);
         if n == 0 {

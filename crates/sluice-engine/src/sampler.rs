@@ -53,57 +53,66 @@ impl Sampler {
         if self.cfg.temperature <= 0.0 {
             return argmax(logits);
         }
-        let order = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-        let mut idx: Vec<usize> = (0..logits.len()).collect();
-        if self.cfg.top_k > 0 && self.cfg.top_k < idx.len() {
-            idx.select_nth_unstable_by(self.cfg.top_k - 1, order);
-            idx.truncate(self.cfg.top_k);
+        // Each candidate's weight `exp((logit - max) / t)` is computed once.
+        let mut cands: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if self.cfg.top_k > 0 && self.cfg.top_k < cands.len() {
+            cands.select_nth_unstable_by(self.cfg.top_k - 1, by_logit);
+            cands.truncate(self.cfg.top_k);
         }
         let t = self.cfg.temperature as f64;
-        let max = idx.iter().map(|&i| logits[i]).fold(f32::NEG_INFINITY, f32::max) as f64;
-        let weight = |i: usize| ((logits[i] as f64 - max) / t).exp();
-        let total: f64 = idx.iter().map(|&i| weight(i)).sum();
+        let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max) as f64;
+        let mut cands: Vec<Cand> =
+            cands.into_iter().map(|(id, l)| Cand { id, logit: l, weight: ((l as f64 - max) / t).exp() }).collect();
+        let order = |a: &Cand, b: &Cand| b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id));
         if self.cfg.top_p < 1.0 {
             // The smallest prefix, in order, whose mass reaches top_p.
-            let need = self.cfg.top_p as f64 * total;
-            let mut m = 64.min(idx.len());
+            let need = self.cfg.top_p as f64 * cands.iter().map(|c| c.weight).sum::<f64>();
+            let mut m = 64.min(cands.len());
             loop {
-                if m < idx.len() {
-                    idx.select_nth_unstable_by(m - 1, order);
+                if m < cands.len() {
+                    cands.select_nth_unstable_by(m - 1, order);
                 }
-                idx[..m].sort_unstable_by(order);
+                cands[..m].sort_unstable_by(order);
                 let mut acc = 0.0;
-                let keep = idx[..m].iter().position(|&i| {
-                    acc += weight(i);
+                let keep = cands[..m].iter().position(|c| {
+                    acc += c.weight;
                     acc >= need
                 });
                 if let Some(k) = keep {
-                    idx.truncate(k + 1);
+                    cands.truncate(k + 1);
                     break;
                 }
-                if m == idx.len() {
+                if m == cands.len() {
                     break;
                 }
-                m = (m * 4).min(idx.len());
+                m = (m * 4).min(cands.len());
             }
         }
-        let kept: f64 = idx.iter().map(|&i| weight(i)).sum();
+        let kept: f64 = cands.iter().map(|c| c.weight).sum();
         let mut r = self.rng.next_f64() * kept;
-        let mut last = idx[0];
-        for &i in &idx {
-            let w = weight(i);
-            r -= w;
+        let mut last = cands[0].id;
+        for c in &cands {
+            r -= c.weight;
             if r < 0.0 {
-                return i as u32;
+                return c.id;
             }
-            if w > 0.0 {
-                last = i;
+            if c.weight > 0.0 {
+                last = c.id;
             }
         }
         // Rounding left a little of r: the last token that had any weight (never one
         // a grammar ruled out, whose weight is zero).
-        last as u32
+        last
     }
+}
+
+/// A token that may be drawn, with its weight.
+#[derive(Clone, Copy)]
+struct Cand {
+    id: u32,
+    logit: f32,
+    weight: f64,
 }
 
 /// Index of the largest logit, lowest index on ties.

@@ -79,6 +79,33 @@ impl<B: Backend> SeqState<B> {
             .sum()
     }
 
+    /// A new state holding this one's first `keep` positions, or `None` when some layer
+    /// cannot give them back: a recurrence has folded them in, a ring has gone past
+    /// them. Lets a prompt that shares only a prefix with a kept sequence start after
+    /// that prefix.
+    pub fn prefix(&self, be: &B, keep: usize) -> Result<Option<SeqState<B>>> {
+        if keep > self.len {
+            return Ok(None);
+        }
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            layers.push(match l {
+                LayerState::Kv(c) => match be.kv_prefix(c, keep)? {
+                    Some(c) => LayerState::Kv(c),
+                    None => return Ok(None),
+                },
+                LayerState::Latent(c) => match be.kv_prefix(c, keep)? {
+                    Some(c) => LayerState::Latent(c),
+                    None => return Ok(None),
+                },
+                LayerState::SharedKv(src) => LayerState::SharedKv(*src),
+                LayerState::Stateless => LayerState::Stateless,
+                LayerState::Recurrent(_) => return Ok(None),
+            });
+        }
+        Ok(Some(SeqState { layers, len: keep }))
+    }
+
     /// The KV cache layer `layer` attends over (its own, or the one it shares).
     pub fn kv(&self, layer: usize) -> Result<&B::Kv> {
         match &self.layers[layer] {

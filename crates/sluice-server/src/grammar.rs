@@ -86,15 +86,21 @@ impl Grammar {
     pub fn mask(&mut self, logits: &mut [f32], stop_ids: &[u32]) -> Result<(), String> {
         let mask = self.matcher.compute_mask().map_err(|e| format!("grammar: {e}"))?;
         let may_end = mask.is_allowed(self.eos);
+        // The stop ids follow the end of the grammar, not the mask: keep their logits.
+        let stops: Vec<(usize, f32)> =
+            stop_ids.iter().map(|&i| i as usize).filter(|&i| i < logits.len()).map(|i| (i, logits[i])).collect();
         let mut any = false;
         for (i, l) in logits.iter_mut().enumerate() {
-            let ok = if stop_ids.contains(&(i as u32)) { may_end } else { mask.is_allowed(i as TokenId) };
-            if ok {
+            if mask.is_allowed(i as TokenId) {
                 any = true;
             } else {
                 *l = f32::NEG_INFINITY;
             }
         }
+        for (i, l) in stops {
+            logits[i] = if may_end { l } else { f32::NEG_INFINITY };
+        }
+        any |= may_end && !stop_ids.is_empty();
         if any { Ok(()) } else { Err("grammar: no token may come next".into()) }
     }
 

@@ -2,7 +2,7 @@
 //! whole or streamed as server-sent events ending in `data: [DONE]`.
 
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -17,7 +17,9 @@ use sluice_tokenizer::ChatMessage;
 
 use crate::api::{self, Api, ApiError, Content, Defaults, MAX_TOP_LOGPROBS, Reply, Sampling, StopField};
 use crate::scheduler::{Event, Finish, FinishReason, GenParams, TokenLogprob};
+use crate::tools::ToolStream;
 use crate::{App, tools};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 const API: Api = Api::OpenAi;
 /// OpenAI's defaults: temperature 1, top_p 1, no top-k.
@@ -129,9 +131,6 @@ impl Common {
         match self.n.unwrap_or(1) {
             0 => Err(ApiError::bad_request(API, "n must be at least 1")),
             n if n > MAX_CHOICES => Err(ApiError::bad_request(API, format!("n may be at most {MAX_CHOICES}, got {n}"))),
-            n if n > 1 && self.stream == Some(true) => {
-                Err(ApiError::bad_request(API, "n > 1 is not supported with stream: true"))
-            }
             n => Ok(n),
         }
     }
@@ -184,19 +183,55 @@ fn chat_logprob(lp: &TokenLogprob) -> Value {
     v
 }
 
-/// Submits `n` copies of a request (seeds `seed`, `seed + 1`, ...) and waits for all.
+/// Queues `n` copies of a request (seeds `seed`, `seed + 1`, ...); if one cannot be
+/// queued, those already queued are dropped (and so cancelled).
+fn submit_choices(app: &App, prompt: &[u32], params: &GenParams, n: usize) -> Result<Vec<Events>, ApiError> {
+    (0..n)
+        .map(|i| {
+            let mut p = params.clone();
+            p.sampler.seed = p.sampler.seed.wrapping_add(i as u64);
+            api::submit(app, API, prompt.to_vec(), p)
+        })
+        .collect()
+}
+
+/// Submits `n` copies of a request and waits for all.
 async fn run_choices(app: &App, prompt: &[u32], params: &GenParams, n: usize) -> Result<Vec<Reply>, ApiError> {
-    let mut rxs = Vec::with_capacity(n);
-    for i in 0..n {
-        let mut p = params.clone();
-        p.sampler.seed = p.sampler.seed.wrapping_add(i as u64);
-        rxs.push(api::submit(app, API, prompt.to_vec(), p)?);
-    }
     let mut replies = Vec::with_capacity(n);
-    for rx in rxs {
+    for rx in submit_choices(app, prompt, params, n)? {
         replies.push(api::collect(API, rx).await?);
     }
     Ok(replies)
+}
+
+type Events = UnboundedReceiver<Event>;
+type SseItem = Result<Sse, Infallible>;
+/// How the choices of a streamed response ended, for its usage chunk.
+type Finishes = Arc<Mutex<Vec<Finish>>>;
+
+/// A streamed response of several choices: `first` items, then each choice's items
+/// (`choice(index, events, finishes)`, which records its `Finish`) as they come, then
+/// the usage chunk when asked (`usage_chunk`: the chunk, given the usage) and `[DONE]`.
+fn stream_choices<S, C>(first: Vec<SseItem>, rxs: Vec<Events>, mut choice: C, usage_chunk: Option<Value>) -> Response
+where
+    S: futures_util::Stream<Item = SseItem> + Send + 'static,
+    C: FnMut(usize, Events, Finishes) -> S,
+{
+    let finishes: Finishes = Arc::default();
+    let merged = futures_util::stream::select_all(
+        rxs.into_iter().enumerate().map(|(i, rx)| choice(i, rx, finishes.clone()).boxed()),
+    );
+    let end = futures_util::stream::once(async move {
+        let mut out = Vec::new();
+        if let Some(mut chunk) = usage_chunk {
+            chunk["usage"] = usage(&finishes.lock().unwrap());
+            out.push(sse(&chunk));
+        }
+        out.push(sse_done());
+        futures_util::stream::iter(out)
+    })
+    .flatten();
+    SseBody::new(futures_util::stream::iter(first).chain(merged).chain(end)).into_response()
 }
 
 fn sse(v: &Value) -> Result<Sse, Infallible> {
@@ -270,60 +305,60 @@ async fn chat_inner(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Resu
     }
 
     let include_usage = req.common.stream_options.is_some_and(|o| o.include_usage);
-    let rx = api::submit(app, API, prompt, params)?;
+    let rxs = submit_choices(app, &prompt, &params, n)?;
     let chunk = {
         let (id, name) = (id.clone(), name.clone());
-        move |delta: Value, logprobs: Option<Value>, finish: Option<&str>| {
+        move |i: usize, delta: Value, logprobs: Option<Value>, finish: Option<&str>| {
             json!({
                 "id": id, "object": "chat.completion.chunk", "created": created, "model": name,
                 "system_fingerprint": null,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
             })
         }
     };
-    let first = sse(&chunk(json!({"role": "assistant", "content": ""}), None, None));
-    // With tools the reply is held until it ends, then sent as content and calls.
-    let mut held = String::new();
-    let app2 = app.clone();
-    let events = api::translate(rx, move |ev| match ev {
-        Event::Token { text, logprob } => {
-            if use_tools {
-                held += &text;
-                return Vec::new();
-            }
-            let lp = logprob.as_ref().map(|l| json!({"content": [chat_logprob(l)]}));
-            if text.is_empty() && lp.is_none() {
-                return Vec::new();
-            }
-            vec![sse(&chunk(json!({"content": text}), lp, None))]
-        }
-        Event::Done(f) => {
-            let mut out = Vec::new();
-            let (content, calls) = if use_tools { tools::parse(&held) } else { (String::new(), Vec::new()) };
-            if !content.is_empty() {
-                out.push(sse(&chunk(json!({"content": content}), None, None)));
-            }
-            if !calls.is_empty() {
-                let mut list = tool_calls_json(&app2, &calls);
-                for (i, c) in list.as_array_mut().into_iter().flatten().enumerate() {
-                    c["index"] = json!(i);
+    let first = (0..n).map(|i| sse(&chunk(i, json!({"role": "assistant", "content": ""}), None, None))).collect();
+    let usage_chunk = include_usage.then(
+        || json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": name, "choices": []}),
+    );
+    let app = app.clone();
+    let choice = move |i: usize, rx: Events, finishes: Finishes| {
+        let chunk = chunk.clone();
+        let app = app.clone();
+        // With tools, text that may be a call is held until the reply ends.
+        let mut calls = use_tools.then(ToolStream::default);
+        api::translate(rx, move |ev| match ev {
+            Event::Token { text, logprob } => {
+                let text = match &mut calls {
+                    Some(c) => c.push(&text),
+                    None => text,
+                };
+                let lp = logprob.as_ref().map(|l| json!({"content": [chat_logprob(l)]}));
+                if text.is_empty() && lp.is_none() {
+                    return Vec::new();
                 }
-                out.push(sse(&chunk(json!({"tool_calls": list}), None, None)));
+                vec![sse(&chunk(i, json!({"content": text}), lp, None))]
             }
-            out.push(sse(&chunk(json!({}), None, Some(finish_reason(&f, !calls.is_empty())))));
-            if include_usage {
-                out.push(sse(&json!({
-                    "id": id, "object": "chat.completion.chunk", "created": created, "model": name,
-                    "choices": [], "usage": usage(&[f]),
-                })));
+            Event::Done(f) => {
+                let mut out = Vec::new();
+                let (content, calls) = calls.take().map(ToolStream::finish).unwrap_or_default();
+                if !content.is_empty() {
+                    out.push(sse(&chunk(i, json!({"content": content}), None, None)));
+                }
+                if !calls.is_empty() {
+                    let mut list = tool_calls_json(&app, &calls);
+                    for (k, c) in list.as_array_mut().into_iter().flatten().enumerate() {
+                        c["index"] = json!(k);
+                    }
+                    out.push(sse(&chunk(i, json!({"tool_calls": list}), None, None)));
+                }
+                out.push(sse(&chunk(i, json!({}), None, Some(finish_reason(&f, !calls.is_empty())))));
+                finishes.lock().unwrap().push(f);
+                out
             }
-            out.push(sse_done());
-            out
-        }
-        Event::Failed(m) => vec![sse(&ApiError::new(API, StatusCode::INTERNAL_SERVER_ERROR, m).body()), sse_done()],
-    });
-    let stream = futures_util::stream::once(async move { first }).chain(events);
-    Ok(SseBody::new(stream).into_response())
+            Event::Failed(m) => vec![sse(&ApiError::new(API, StatusCode::INTERNAL_SERVER_ERROR, m).body())],
+        })
+    };
+    Ok(stream_choices(first, rxs, choice, usage_chunk))
 }
 
 /// The schema `response_format` asks the output to follow: none for `text`, any object
@@ -431,48 +466,47 @@ async fn completions_inner(app: &Arc<App>, body: Result<Bytes, BytesRejection>) 
         .into_response());
     }
     let include_usage = req.common.stream_options.is_some_and(|o| o.include_usage);
-    let rx = api::submit(app, API, prompt, params)?;
+    let rxs = submit_choices(app, &prompt, &params, n)?;
     let with_logprobs = req.logprobs.is_some();
-    let mut offset = echo.as_ref().map_or(0, String::len);
+    let start = echo.as_ref().map_or(0, String::len);
     let chunk = {
         let (id, name) = (id.clone(), name.clone());
-        move |text: &str, logprobs: Value, finish: Option<&str>| {
+        move |i: usize, text: &str, logprobs: Value, finish: Option<&str>| {
             json!({
                 "id": id, "object": "text_completion", "created": created, "model": name,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}],
             })
         }
     };
-    let first: Vec<Result<Sse, Infallible>> = echo.iter().map(|e| sse(&chunk(e, Value::Null, None))).collect();
-    let events = api::translate(rx, move |ev| match ev {
-        Event::Token { text, logprob } => {
-            let lp = match (with_logprobs, logprob) {
-                (true, Some(l)) => {
-                    let v = completion_logprobs(std::slice::from_ref(&l), offset);
-                    offset += l.token.len();
-                    v
+    let first = echo.iter().flat_map(|e| (0..n).map(|i| sse(&chunk(i, e, Value::Null, None)))).collect();
+    let usage_chunk = include_usage
+        .then(|| json!({"id": id, "object": "text_completion", "created": created, "model": name, "choices": []}));
+    let choice = move |i: usize, rx: Events, finishes: Finishes| {
+        let chunk = chunk.clone();
+        let mut offset = start;
+        api::translate(rx, move |ev| match ev {
+            Event::Token { text, logprob } => {
+                let lp = match (with_logprobs, logprob) {
+                    (true, Some(l)) => {
+                        let v = completion_logprobs(std::slice::from_ref(&l), offset);
+                        offset += l.token.len();
+                        v
+                    }
+                    _ => Value::Null,
+                };
+                if text.is_empty() && lp.is_null() {
+                    return Vec::new();
                 }
-                _ => Value::Null,
-            };
-            if text.is_empty() && lp.is_null() {
-                return Vec::new();
+                vec![sse(&chunk(i, &text, lp, None))]
             }
-            vec![sse(&chunk(&text, lp, None))]
-        }
-        Event::Done(f) => {
-            let mut out = vec![sse(&chunk("", Value::Null, Some(finish_reason(&f, false))))];
-            if include_usage {
-                out.push(sse(&json!({
-                    "id": id, "object": "text_completion", "created": created, "model": name,
-                    "choices": [], "usage": usage(&[f]),
-                })));
+            Event::Done(f) => {
+                finishes.lock().unwrap().push(f);
+                vec![sse(&chunk(i, "", Value::Null, Some(finish_reason(&f, false))))]
             }
-            out.push(sse_done());
-            out
-        }
-        Event::Failed(m) => vec![sse(&ApiError::new(API, StatusCode::INTERNAL_SERVER_ERROR, m).body()), sse_done()],
-    });
-    Ok(SseBody::new(futures_util::stream::iter(first).chain(events)).into_response())
+            Event::Failed(m) => vec![sse(&ApiError::new(API, StatusCode::INTERNAL_SERVER_ERROR, m).body())],
+        })
+    };
+    Ok(stream_choices(first, rxs, choice, usage_chunk))
 }
 
 /// Token ids given directly, checked against the vocabulary.

@@ -3,9 +3,11 @@
 //! the reply, the new message) starts from it instead of computing those positions
 //! again. Bounded by the bytes of the caches kept; the least recently kept go first.
 //!
-//! A state is taken whole, never shared or cut: sliding-window rings and recurrent
-//! states cannot be rewound, so only a prompt that starts with *all* of a held
-//! sequence's tokens reuses it.
+//! A prompt that continues *all* of a held sequence's tokens takes its state whole. One
+//! that shares only a prefix with it (the same system prompt and a different question)
+//! gets a copy of the state's first positions when every layer can give them back
+//! (KV caches can; a sliding-window ring that has gone past them, or a recurrent
+//! state, cannot), and the held state stays for others.
 
 use sluice_engine::{Backend, SeqState};
 
@@ -41,17 +43,41 @@ impl<B: Backend> PrefixCache<B> {
         }
     }
 
-    /// The held state whose tokens are the longest proper prefix of `prompt`, taken
-    /// out of the cache, with those tokens.
-    pub fn take(&mut self, prompt: &[u32]) -> Option<(SeqState<B>, Vec<u32>)> {
-        let (i, _) = self
+    /// A state to start `prompt` from, with the tokens it holds: the held state whose
+    /// tokens `prompt` continues, taken out of the cache, or a copy of the first
+    /// positions of the one that shares the longest prefix with it (at least
+    /// [`MIN_SHARED`] tokens). At least the prompt's last token is left to compute.
+    pub fn take(&mut self, be: &B, prompt: &[u32]) -> Option<(SeqState<B>, Vec<u32>)> {
+        let room = prompt.len().checked_sub(1)?;
+        // The most recently kept wins a tie.
+        let (i, shared) = self
             .held
             .iter()
             .enumerate()
-            .filter(|(_, h)| h.tokens.len() < prompt.len() && prompt.starts_with(&h.tokens))
-            .max_by_key(|(_, h)| h.tokens.len())?;
+            .map(|(i, h)| (i, common_prefix(&h.tokens, prompt).min(room)))
+            .max_by_key(|&(i, n)| (n, i))?;
+        if shared == 0 {
+            return None;
+        }
+        if shared == self.held[i].tokens.len() {
+            let h = self.held.remove(i);
+            self.bytes -= h.bytes;
+            return Some((h.state, h.tokens));
+        }
+        if shared < MIN_SHARED {
+            return None;
+        }
+        // A copy that fails (out of device memory) is a miss, not an error.
+        let state = self.held[i].state.prefix(be, shared).ok().flatten()?;
         let h = self.held.remove(i);
-        self.bytes -= h.bytes;
-        Some((h.state, h.tokens))
+        self.held.push(h);
+        Some((state, prompt[..shared].to_vec()))
     }
+}
+
+/// Fewest shared tokens worth copying a held state's first positions for.
+pub const MIN_SHARED: usize = 16;
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }

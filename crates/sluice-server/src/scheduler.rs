@@ -288,7 +288,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             let _ = job.events.send(Event::Failed(e.to_string()));
             None
         };
-        let (state, held) = match prefixes.take(&job.prompt) {
+        let (state, held) = match prefixes.take(&self.model.be, &job.prompt) {
             Some(hit) => hit,
             None => match self.model.new_state() {
                 Ok(s) => (s, Vec::new()),
@@ -395,7 +395,7 @@ impl<'a, B: Backend> Worker<'a, B> {
                     let _ = s.job.events.send(Event::Failed(e.to_string()));
                     finished.push((i, false));
                 }
-                Ok(logits) => match (*f, s.phase) {
+                Ok(mut logits) => match (*f, s.phase) {
                     (Feed::Prompt { from, to }, _) => {
                         s.held.extend(&s.job.prompt[from..to]);
                         s.phase = Phase::Prefill(to);
@@ -405,7 +405,7 @@ impl<'a, B: Backend> Worker<'a, B> {
                             Phase::Prefill(fed) => s.held.extend(&s.job.prompt[fed..]),
                             Phase::Decode(t) => s.held.push(t),
                         }
-                        if let Some(end) = self.sample(s, &logits) {
+                        if let Some(end) = self.sample(s, &mut logits) {
                             self.finish(s, end);
                             finished.push((i, true));
                         }
@@ -426,19 +426,12 @@ impl<'a, B: Backend> Worker<'a, B> {
 
     /// Samples the next token from `logits`, streams its text, and says whether the
     /// sequence has ended.
-    fn sample(&self, s: &mut Seq<'a, B>, logits: &[f32]) -> Option<End> {
+    fn sample(&self, s: &mut Seq<'a, B>, logits: &mut [f32]) -> Option<End> {
         let now = Instant::now();
-        let mut masked;
-        let logits = match &mut s.grammar {
-            None => logits,
-            Some(g) => {
-                masked = logits.to_vec();
-                if let Err(e) = g.mask(&mut masked, &self.stop_ids) {
-                    return Some(End::Failed(e));
-                }
-                &masked[..]
-            }
-        };
+        if let Some(Err(e)) = s.grammar.as_mut().map(|g| g.mask(logits, &self.stop_ids)) {
+            return Some(End::Failed(e));
+        }
+        let logits = &*logits;
         let id = s.sampler.sample(logits);
         let logprob = s.job.params.logprobs.map(|n| self.logprob(logits, id, n));
         s.generated += 1;

@@ -221,6 +221,10 @@ impl Backend for Cpu {
         kv.bytes()
     }
 
+    fn kv_prefix(&self, kv: &KvCache, keep: usize) -> Result<Option<KvCache>> {
+        Ok(kv.prefix(keep))
+    }
+
     fn kv_append(&self, kv: &mut KvCache, k: &HostAct, v: &HostAct, seq: SeqRows) -> Result<()> {
         fn rows(a: &HostAct, seq: SeqRows) -> &[f32] {
             &a.data[seq.first * a.cols..(seq.first + seq.rows) * a.cols]

@@ -141,6 +141,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     fn kv_new(&self, kv_dim: usize, window: Option<usize>) -> Result<Self::Kv>;
     fn kv_bytes(&self, kv: &Self::Kv) -> usize;
+    /// A new cache holding positions `0..keep` of `kv` (a ring: the last `window` of
+    /// them), or `None` when `kv` no longer holds them all.
+    fn kv_prefix(&self, kv: &Self::Kv, keep: usize) -> Result<Option<Self::Kv>>;
     /// Appends one sequence's rows `seq` of `k` and `v` to its cache.
     fn kv_append(&self, kv: &mut Self::Kv, k: &Self::Act, v: &Self::Act, seq: SeqRows) -> Result<()>;
     fn attention(&self, op: &AttnOp<'_, Self>) -> Result<Self::Act>;
