@@ -306,3 +306,36 @@ fn long_sequences_against_the_cpu() {
         assert!(e <= 1e-3, "{name}: 240 tokens on the GPU differ from the CPU by {e:e} of the largest logit");
     }
 }
+
+/// A state's first positions copied on the device (`Backend::kv_prefix`, what the
+/// server starts a prompt from when it shares a beginning with a kept sequence) continue
+/// as a state fed only that far; a ring that has gone past them gives none.
+#[test]
+fn a_states_prefix_continues_as_one_fed_that_far() {
+    let Some(be) = gpu() else { return };
+    for (name, ring) in [("qwen3-moe", false), ("gemma4-dense", true)] {
+        let dir = fixtures().join(name);
+        let (t, _) = reference(&dir);
+        let model = Model::load(be.clone(), &Checkpoint::open(&dir).unwrap()).unwrap();
+        let feed = |state: &mut sluice_engine::SeqState<Cuda>, tokens: &[u32]| {
+            let mut chunks = [Chunk { state, tokens, logits: Logits::All }];
+            model.step(&mut chunks, &mut StepStats::default()).pop().unwrap().unwrap()
+        };
+        let fed_that_far = |keep: usize| {
+            let mut s = model.new_state().unwrap();
+            feed(&mut s, &t[..keep]);
+            s
+        };
+        for (held, keep) in [(13, 9), (13, 13), (3, 2)] {
+            match fed_that_far(held).prefix(&model.be, keep).unwrap() {
+                Some(mut p) => {
+                    let want = feed(&mut fed_that_far(keep), &t[keep..]);
+                    let e = rel_err(&feed(&mut p, &t[keep..]), &want);
+                    eprintln!("{name}: prefix {keep} of {held} against fed that far {e:.2e}");
+                    assert!(e <= 1e-5, "{name}: prefix {keep} of {held} differs by {e:e}");
+                }
+                None => assert!(ring && keep < held, "{name}: no prefix {keep} of {held}"),
+            }
+        }
+    }
+}

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use sluice_core::{DType, Error};
-use sluice_engine::{Chunk, Cpu, LoadOptions, Logits, Model, Prefetch, StepStats};
+use sluice_engine::{Chunk, Cpu, LoadOptions, Logits, Model, Prefetch, SeqState, StepStats};
 use sluice_experts::{CacheBudget, ExpertLayout, Residency, StoreConfig};
 use sluice_formats::Checkpoint;
 use sluice_formats::synth::{Geometry, Synth, SynthOptions};
@@ -228,6 +228,43 @@ fn real_smollm2_at_mixed_precision() {
 }
 
 /// One `Model` stepped from several threads at once gives what it gives from one.
+/// Feeds `tokens` after what `state` holds, in one chunk; every row's logits.
+fn feed(model: &Model, state: &mut SeqState<Cpu>, tokens: &[u32]) -> Vec<f32> {
+    let mut chunks = [Chunk { state, tokens, logits: Logits::All }];
+    model.step(&mut chunks, &mut StepStats::default()).pop().unwrap().unwrap()
+}
+
+/// A state's first positions (`SeqState::prefix`, what the server starts a prompt from
+/// when it shares a beginning with a kept sequence) continue bitwise as a state fed only
+/// that far, on every fixture. A sliding window's ring that has gone past them gives
+/// none; one that has not, and a prefix of every position, always do.
+#[test]
+fn a_states_prefix_continues_as_one_fed_that_far() {
+    for (name, ring) in [("qwen3-moe", false), ("llama", false), ("gemma3", true), ("gemma4-dense", true)] {
+        let dir = fixture(name);
+        let t = fixture_tokens(&dir);
+        let model = Model::load(Cpu::default(), &Checkpoint::open(&dir).unwrap()).unwrap();
+        let fed_that_far = |keep: usize| {
+            let mut s = model.new_state().unwrap();
+            feed(&model, &mut s, &t[..keep]);
+            s
+        };
+        let long = fed_that_far(13);
+        for (held, keep) in [(13, 9), (13, 13), (3, 2)] {
+            let source = if held == 13 { &long } else { &fed_that_far(held) };
+            match source.prefix(&model.be, keep).unwrap() {
+                Some(mut p) => {
+                    assert_eq!(p.len(), keep);
+                    let want = feed(&model, &mut fed_that_far(keep), &t[keep..]);
+                    assert!(feed(&model, &mut p, &t[keep..]) == want, "{name}: prefix {keep} of {held} differs");
+                }
+                None => assert!(ring && keep < held && held > 4, "{name}: no prefix {keep} of {held}"),
+            }
+        }
+        assert!(long.prefix(&model.be, 14).unwrap().is_none(), "{name}: a prefix longer than the state");
+    }
+}
+
 #[test]
 fn model_shared_across_threads() {
     let dir = fixture("qwen3-moe");
