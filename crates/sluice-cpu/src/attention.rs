@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 
 use crate::dot::{dot_f32_rows, weighted_sum};
-use crate::ops::softmax;
+use crate::ops::{softmax, softmax_with_sink};
 
 /// One layer's keys and values, `kv_dim` floats per position. Full-attention layers
 /// keep every position; sliding layers keep a ring of the last `window`.
@@ -106,7 +106,7 @@ impl KvCache {
 }
 
 #[derive(Clone, Copy, Debug)]
-pub struct AttnParams {
+pub struct AttnParams<'a> {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
@@ -114,6 +114,9 @@ pub struct AttnParams {
     /// Sliding window: a query sees itself and the `window - 1` positions before it.
     pub window: Option<usize>,
     pub softcap: Option<f32>,
+    /// One logit per query head that joins the softmax and takes its share of the
+    /// weight without a value (gpt-oss's attention sinks).
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// One sequence's share of a batched attention call: rows `first..first + rows` of
@@ -132,7 +135,7 @@ pub struct AttnSeq<'a> {
 /// `q`. One task computes some of one row's query heads that share a KV head (each
 /// key and value read once for them), whole and in a fixed order, so a sequence's result
 /// does not depend on the others in the batch or the thread count.
-pub fn attention(p: &AttnParams, q: &[f32], k_new: &[f32], v_new: &[f32], seqs: &[AttnSeq<'_>], out: &mut [f32]) {
+pub fn attention(p: &AttnParams<'_>, q: &[f32], k_new: &[f32], v_new: &[f32], seqs: &[AttnSeq<'_>], out: &mut [f32]) {
     let hd = p.head_dim;
     let q_dim = p.n_heads * hd;
     let n = q.len() / q_dim;
@@ -163,7 +166,7 @@ pub fn attention(p: &AttnParams, q: &[f32], k_new: &[f32], v_new: &[f32], seqs: 
 
 /// What every task of one attention call reads.
 struct Job<'a> {
-    p: &'a AttnParams,
+    p: &'a AttnParams<'a>,
     q: &'a [f32],
     k_new: &'a [f32],
     v_new: &'a [f32],
@@ -200,13 +203,16 @@ impl Job<'_> {
         // Scores of every head of the task, head-major (the keys stay in cache from
         // one head to the next).
         let mut sc = vec![0f32; heads * len];
-        for (qh, w) in qs.chunks(hd).zip(sc.chunks_mut(len)) {
+        for (j, (qh, w)) in qs.chunks(hd).zip(sc.chunks_mut(len)).enumerate() {
             dot_f32_rows(qh, |t| key(lo + t), w);
             w.iter_mut().for_each(|x| *x *= p.scale);
             if let Some(cap) = p.softcap {
                 w.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
             }
-            softmax(w);
+            match p.sinks {
+                Some(s) => softmax_with_sink(w, s[h0 + j]),
+                None => softmax(w),
+            }
         }
         for (o, w) in out.chunks_mut(hd).zip(sc.chunks(len)) {
             weighted_sum(o, w, |t| value(lo + t));
@@ -218,7 +224,7 @@ impl Job<'_> {
 mod tests {
     use super::*;
 
-    fn naive(p: &AttnParams, q: &[f32], k: &[f32], v: &[f32], pos0: usize, n: usize) -> Vec<f32> {
+    fn naive(p: &AttnParams<'_>, q: &[f32], k: &[f32], v: &[f32], pos0: usize, n: usize) -> Vec<f32> {
         let (hd, qd, kd) = (p.head_dim, p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim);
         let mut out = vec![0f32; n * qd];
         for i in 0..n {
@@ -283,7 +289,15 @@ mod tests {
     /// agree with a naive implementation over the whole sequence.
     #[test]
     fn chunks_and_ring_match_naive() {
-        let p = AttnParams { n_heads: 4, n_kv_heads: 2, head_dim: 8, scale: 0.35, window: Some(3), softcap: None };
+        let p = AttnParams {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 8,
+            scale: 0.35,
+            window: Some(3),
+            softcap: None,
+            sinks: None,
+        };
         let n = 11;
         let (qd, kd) = (32, 16);
         let q: Vec<f32> = (0..n * qd).map(|i| ((i * 7 % 19) as f32 - 9.0) / 9.0).collect();
@@ -321,8 +335,15 @@ mod tests {
     /// what it gives alone.
     #[test]
     fn batch_of_sequences_equals_each_alone() {
-        let p =
-            AttnParams { n_heads: 4, n_kv_heads: 2, head_dim: 8, scale: 0.35, window: Some(5), softcap: Some(20.0) };
+        let p = AttnParams {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 8,
+            scale: 0.35,
+            window: Some(5),
+            softcap: Some(20.0),
+            sinks: None,
+        };
         let (qd, kd) = (32, 16);
         let fill = |n: usize, m: usize, seed: usize| -> Vec<f32> {
             (0..n * m).map(|i| (((i + seed) * 7919 % 113) as f32 - 56.0) / 40.0).collect()

@@ -95,6 +95,20 @@ pub fn softmax(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
+/// The softmax of `x` with one more logit, `sink`, whose share is left out: each
+/// `exp(x_i)` over `exp(sink) + sum exp(x)`, the sink's column dropped after.
+pub fn softmax_with_sink(x: &mut [f32], sink: f32) {
+    let max = x.iter().copied().fold(sink, f32::max);
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = exp_fast(*v - max);
+        sum += *v;
+    }
+    sum += exp_fast(sink - max);
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
 /// `cap * tanh(x / cap)`.
 pub fn softcap(x: &mut [f32], cap: f32) {
     x.iter_mut().for_each(|v| *v = tanh_fast(*v / cap) * cap);

@@ -800,7 +800,8 @@ impl Backend for Cuda {
             meta, s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
             splits as i32, self.p(&part))?;
         launch!(&self.dev, "attention_merge", grid((s.n_heads as u32, rows as u32), 128, 0);
-            self.p(&part), meta, s.n_heads as i32, hd as i32, window, splits as i32, self.p(&out.buf))?;
+            self.p(&part), meta, op.sinks.map_or(0, |v| self.p(&v.dev)), s.n_heads as i32, hd as i32, window,
+            splits as i32, self.p(&out.buf))?;
         Ok(out)
     }
 

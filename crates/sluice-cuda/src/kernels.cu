@@ -588,9 +588,10 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
 }
 
 // out[row, head] = the join of the row's attention partials, in split order. Grid
-// (heads, rows), block 128.
-extern "C" __global__ void attention_merge(const float* part, const RowMeta* meta, int n_heads, int hd, int window,
-                                           int zdim, float* out) {
+// (heads, rows), block 128. `sinks` (may be null): one logit per head that joins the
+// softmax's denominator without a value (gpt-oss).
+extern "C" __global__ void attention_merge(const float* part, const RowMeta* meta, const float* sinks, int n_heads,
+                                           int hd, int window, int zdim, float* out) {
     int h = blockIdx.x, row = blockIdx.y;
     RowMeta m = meta[row];
     int lo = window > 0 ? max(0, m.pos + 1 - window) : 0;
@@ -599,7 +600,8 @@ extern "C" __global__ void attention_merge(const float* part, const RowMeta* met
     const float* base = part + ((long long)row * n_heads + h) * zdim * (hd + 2);
     float M = __int_as_float(0xff800000);
     for (int s = 0; s < ns; s++) M = fmaxf(M, base[s * (hd + 2)]);
-    float L = 0.0f;
+    if (sinks) M = fmaxf(M, sinks[h]);
+    float L = sinks ? expf(sinks[h] - M) : 0.0f;
     for (int s = 0; s < ns; s++) L += base[s * (hd + 2) + 1] * expf(base[s * (hd + 2)] - M);
     float inv = 1.0f / L;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {

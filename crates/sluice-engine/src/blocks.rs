@@ -90,6 +90,8 @@ pub struct Attention<B: Backend> {
     v: Option<B::Mat>,
     o: B::Mat,
     biases: Option<[B::Vector; 3]>,
+    o_bias: Option<B::Vector>,
+    sinks: Option<B::Vector>,
     q_norm: Option<B::Vector>,
     k_norm: Option<B::Vector>,
 }
@@ -118,6 +120,8 @@ impl<B: Backend> Attention<B> {
             v: (own_kv && !spec.k_eq_v).then(|| load_mat(be, ckpt, id(TensorKind::AttnV), kvd, hidden)).transpose()?,
             o: load_mat(be, ckpt, id(TensorKind::AttnOut), hidden, qd)?,
             biases,
+            o_bias: spec.o_bias.then(|| load_vector(be, ckpt, id(TensorKind::AttnOutBias), hidden)).transpose()?,
+            sinks: spec.sinks.then(|| load_vector(be, ckpt, id(TensorKind::AttnSinks), spec.n_heads)).transpose()?,
             q_norm: spec.qk_norm.then(|| load_vector(be, ckpt, id(TensorKind::AttnQNorm), hd)).transpose()?,
             k_norm: (spec.qk_norm && own_kv)
                 .then(|| load_vector(be, ckpt, id(TensorKind::AttnKNorm), hd))
@@ -172,9 +176,13 @@ impl<B: Backend> Attention<B> {
             Error::Unsupported(format!("layer {} reads the KV of layer {src}, which has none", self.layer))
         })?;
         let caches = cx.caches(src)?;
-        let op = AttnOp { spec: s, q: &q, k, v, batch: cx.batch, caches: &caches };
+        let op = AttnOp { spec: s, q: &q, k, v, batch: cx.batch, caches: &caches, sinks: self.sinks.as_ref() };
         let a = cx.timers.time(|t| &mut t.attention, || be.attention(&op))?;
-        be.matmul(&a, &self.o)
+        let mut o = be.matmul(&a, &self.o)?;
+        if let Some(b) = &self.o_bias {
+            be.add_row(&mut o, b)?;
+        }
+        Ok(o)
     }
 }
 

@@ -4,10 +4,10 @@
 
 use std::time::Instant;
 
-use sluice_core::{Glu, Result, RouterKind};
+use sluice_core::{Result, RouterKind};
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
-use crate::backend::{Backend, ExpertFfn, RouterOp};
+use crate::backend::{Backend, ExpertBias, ExpertFfn, RouterOp};
 use crate::blocks::{Cx, load_mat};
 
 /// What a router reads: a transform of the residual stream.
@@ -55,7 +55,7 @@ impl<B: Backend> Moe<B> {
                 choice_bias: None,
                 expert_scale,
             },
-            ffn: ExpertFfn { glu: Glu::Gated(spec.activation), bias: None },
+            ffn: ExpertFfn { glu: m.glu, bias: if m.expert_bias { Some(expert_bias(be, ckpt, layer)?) } else { None } },
         })
     }
 
@@ -119,6 +119,18 @@ impl<B: Backend> Moe<B> {
             .collect();
         Some(affected)
     }
+}
+
+/// Layer `layer`'s per-expert biases, `[E, I]` for gate and up, `[E, H]` for down.
+fn expert_bias<B: Backend>(be: &B, ckpt: &Checkpoint, layer: usize) -> Result<ExpertBias<B>> {
+    let m = ckpt.spec.layers[layer].moe.as_ref().expect("a MoE layer");
+    let (e, i, h) = (m.n_experts, m.intermediate, ckpt.spec.hidden_size);
+    let load = |k, w| be.vector(&ckpt.tensor(TensorId::layer(layer, k), &[e, w])?);
+    Ok(ExpertBias {
+        gate: load(TensorKind::ExpsGateBias, i)?,
+        up: load(TensorKind::ExpsUpBias, i)?,
+        down: load(TensorKind::ExpsDownBias, h)?,
+    })
 }
 
 /// The distinct experts in `ids`, ascending.

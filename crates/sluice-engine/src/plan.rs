@@ -84,6 +84,8 @@ pub fn place(ckpt: &Checkpoint, layout: &ExpertLayout, req: &Request) -> Result<
             }
             Residency::Mapped
         }
+        // Experts already in memory (rearranged at open) are served where they lie.
+        None if layout.in_memory() && budget.is_none() => Residency::Mapped,
         Some(Residency::Resident | Residency::Mapped) if budget.is_some() => {
             return Err(Error::Usage("--expert-cache goes with --residency streamed or auto".into()));
         }
@@ -396,6 +398,7 @@ fn attention_time(a: &AttnShape) -> AttnTime {
         scale: 0.1,
         window: a.window,
         softcap: None,
+        sinks: None,
     };
     let (qd, kd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
     let kv = vec![0.25f32; PROMPT * kd];

@@ -181,6 +181,15 @@ fn llama() {
     check_fixture("llama");
 }
 
+/// Sinks with a window shorter than the sequences, through every residency (the GGUF
+/// form streams; see identity.rs for the folder).
+#[test]
+fn gpt_oss() {
+    let dir = fixture("gpt-oss");
+    let ckpt = Checkpoint::open(&dir.join("gpt-oss.gguf")).unwrap();
+    check_checkpoint("gpt-oss", &ckpt, &sequences(&fixture_tokens(&dir)));
+}
+
 /// A synthetic MoE checkpoint in Q4_K (the default), its matrices computed on 8- and
 /// 16-bit activations side by side in the same steps.
 fn synth_q4k(dir: &Path, geometry: &str) -> PathBuf {

@@ -22,9 +22,18 @@ fn tokens(dir: &Path) -> Vec<u32> {
     meta["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
 }
 
+fn fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny").join(name)
+}
+
 fn check(name: &str) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny").join(name);
-    let ckpt = Checkpoint::open(&dir).unwrap();
+    check_file(name, &fixture(name));
+}
+
+/// The fixture `name`'s tokens through the model at `path`.
+fn check_file(name: &str, path: &Path) {
+    let dir = fixture(name);
+    let ckpt = Checkpoint::open(path).unwrap();
     let toks = tokens(&dir);
     let load = |store: StoreConfig, prefetch: Prefetch| {
         Model::load_with(Cpu::default(), &ckpt, &LoadOptions { store, prefetch, precision: None }, None).unwrap()
@@ -86,4 +95,24 @@ fn qwen3_moe() {
 #[test]
 fn qwen3_moe_fused() {
     check("qwen3-moe-fused");
+}
+
+/// gpt-oss streams from its GGUF form (the Hugging Face folder's experts are rearranged
+/// into memory at open, so they are served where they lie).
+#[test]
+fn gpt_oss_gguf() {
+    check_file("gpt-oss", &fixture("gpt-oss/gpt-oss.gguf"));
+}
+
+/// The Hugging Face folder (experts rearranged at open) computes the GGUF's logits
+/// bitwise: the same f32 weights in the same layout.
+#[test]
+fn gpt_oss_folder_equals_its_gguf() {
+    let dir = fixture("gpt-oss");
+    let toks = tokens(&dir);
+    let hf = Model::open(&dir).unwrap();
+    let gg = Model::open(&dir.join("gpt-oss.gguf")).unwrap();
+    for decode in [false, true] {
+        assert!(logits(&hf, &toks, decode) == logits(&gg, &toks, decode), "decode {decode}: logits differ");
+    }
 }

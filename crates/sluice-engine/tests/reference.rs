@@ -35,9 +35,15 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn check(name: &str) {
+    check_file(name, &fixtures().join(name));
+}
+
+/// The fixture `name`'s reference against the model at `path` (its folder, or another
+/// form of the same weights).
+fn check_file(name: &str, path: &Path) {
     let dir = fixtures().join(name);
     let r = reference(&dir);
-    let model = Model::open(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model = Model::open(path).unwrap_or_else(|e| panic!("{name}: {e}"));
     assert_eq!(model.spec.vocab_size, r.vocab);
 
     let mut s = model.session().unwrap();
@@ -92,4 +98,16 @@ fn llama() {
 #[test]
 fn gemma3() {
     check("gemma3");
+}
+
+#[test]
+fn gpt_oss() {
+    check("gpt-oss");
+}
+
+/// The same weights as llama.cpp's converter wrote them (gate and up experts apart,
+/// `post_attention_norm`, its YaRN keys): the same logits.
+#[test]
+fn gpt_oss_gguf_from_llama_cpps_converter() {
+    check_file("gpt-oss", &fixtures().join("gpt-oss/gpt-oss.gguf"));
 }

@@ -98,6 +98,10 @@ impl Checkpoint {
             })?
             .to_string();
         spec.weight_dtype = tensors.get(&format!("{prefix}embed_tokens.weight")).map(|t| t.dtype);
+        let mut tensors = tensors;
+        if spec.family == Family::GptOss {
+            crate::gpt_oss::rearrange(path, &prefix, &spec, &mut tensors)?;
+        }
         // A checkpoint without lm_head ties it to the embedding whatever the config says.
         if !tensors.contains_key("lm_head.weight") {
             spec.tie_word_embeddings = true;

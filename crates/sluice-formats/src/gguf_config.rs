@@ -19,14 +19,14 @@
 use std::collections::HashMap;
 
 use sluice_core::{
-    Activation, AttentionSpec, DType, Error, Family, LayerSpec, ModelSpec, MoeSpec, PleSpec, Result, RopeScaling,
+    Activation, AttentionSpec, DType, Error, Family, Glu, LayerSpec, ModelSpec, MoeSpec, PleSpec, Result, RopeScaling,
     RopeSpec, RopeStyle, RouterKind,
 };
 
 use crate::gguf::{GgufFile, GgufValue};
 use crate::names::{TensorId, TensorKind, gguf_name};
 
-pub const SUPPORTED: &str = "gemma3, gemma4, llama, qwen2, qwen3, qwen3moe";
+pub const SUPPORTED: &str = "gemma3, gemma4, gpt-oss, llama, qwen2, qwen3, qwen3moe";
 
 /// A frequency divisor at least this large leaves its rotary pair unrotated.
 const UNROTATED_FREQ_FACTOR: f32 = 1e20;
@@ -187,9 +187,11 @@ impl<'a> Meta<'a> {
         Ok(rope)
     }
 
-    /// Routed-expert geometry, for the layers that have a router.
-    fn moe(&self, router: RouterKind, moe_layer: Option<usize>) -> Result<Option<MoeSpec>> {
+    /// Routed-expert geometry, for the layers that have a router; `experts` says what
+    /// the architecture's routers and experts compute, the file says the rest.
+    fn moe(&self, experts: Experts, moe_layer: Option<usize>) -> Result<Option<MoeSpec>> {
         let Some(layer) = moe_layer else { return Ok(None) };
+        let Experts { router, glu } = experts;
         let n_experts = self.usize("expert_count")?;
         let top_k = self.usize("expert_used_count")?;
         if n_experts == 0 || top_k == 0 || top_k > n_experts {
@@ -199,8 +201,11 @@ impl<'a> Meta<'a> {
                 self.key("expert_count")
             )));
         }
+        // gpt-oss's softmax over the chosen logits is the architecture's own, whatever
+        // this key says (llama.cpp sets it in code).
         if let Some(f) = self.g.get_u64(&self.key("expert_gating_func"))?
             && f != 1
+            && router != RouterKind::TopKSoftmax
         {
             return Err(
                 self.err(format!("'{}' = {f}: only softmax gating (1) is supported", self.key("expert_gating_func")))
@@ -235,8 +240,15 @@ impl<'a> Meta<'a> {
             }
             other => other,
         };
-        Ok(Some(MoeSpec { n_experts, top_k, intermediate, router }))
+        let expert_bias = self.has(TensorId::layer(layer, TensorKind::ExpsDownBias));
+        Ok(Some(MoeSpec { n_experts, top_k, intermediate, router, glu, expert_bias }))
     }
+}
+
+/// What an architecture's routed experts compute (GGUF states it by architecture).
+struct Experts {
+    router: RouterKind,
+    glu: Glu,
 }
 
 /// Reads the model description from a GGUF file's metadata (and, where GGUF encodes
@@ -249,6 +261,7 @@ pub fn read(g: &GgufFile) -> Result<ModelSpec> {
     let mut spec = match arch {
         "llama" | "qwen2" | "qwen3" | "qwen3moe" => llama_like(&m)?,
         "gemma3" | "gemma4" => gemma(&m)?,
+        "gpt-oss" => gpt_oss(&m)?,
         other => {
             return Err(Error::UnknownArchitecture {
                 path: g.path().to_path_buf(),
@@ -377,7 +390,8 @@ fn llama_like(m: &Meta) -> Result<ModelSpec> {
 
     let is_moe: Vec<bool> = (0..b.n_layers).map(|i| m.has(TensorId::layer(i, TensorKind::Router))).collect();
     let ffn = ffn_lengths(m, b.n_layers, is_moe.iter().any(|&x| !x))?;
-    let moe = m.moe(RouterKind::Softmax { normalize_top_k: true }, is_moe.iter().position(|&x| x))?;
+    let experts = Experts { router: RouterKind::Softmax { normalize_top_k: true }, glu: Glu::Gated(Activation::Silu) };
+    let moe = m.moe(experts, is_moe.iter().position(|&x| x))?;
     let qwen3 = arch == "qwen3" || arch == "qwen3moe";
     let qkv_bias = arch == "qwen2" || m.has(TensorId::layer(0, TensorKind::AttnQBias));
 
@@ -394,6 +408,8 @@ fn llama_like(m: &Meta) -> Result<ModelSpec> {
                 v_norm: false,
                 k_eq_v: false,
                 qkv_bias,
+                o_bias: false,
+                sinks: false,
                 kv_source: None,
             },
             mlp: (!is_moe[i]).then_some(ffn[i]),
@@ -404,6 +420,85 @@ fn llama_like(m: &Meta) -> Result<ModelSpec> {
     Ok(ModelSpec {
         family: Family::Llama,
         arch: arch.to_string(),
+        vocab_size: b.vocab,
+        hidden_size: b.hidden,
+        rms_norm_eps: b.eps,
+        activation: Activation::Silu,
+        embed_scale: 1.0,
+        norm_weight_offset: 0.0,
+        final_logit_softcap: None,
+        tie_word_embeddings: !m.has(TensorId::model(TensorKind::Output)),
+        max_context: b.max_context,
+        layers,
+        ple: None,
+        bos_token_id: bos,
+        eos_token_ids: eos,
+        weight_dtype: None,
+    })
+}
+
+/// gpt-oss as llama.cpp's converter writes it: gate and up experts apart (or fused,
+/// gate rows first) with their biases, `post_attention_norm` before the experts,
+/// sliding attention on even layers (llama.cpp's fixed pattern), YaRN RoPE.
+fn gpt_oss(m: &Meta) -> Result<ModelSpec> {
+    let b = base(m)?;
+    let head_dim = head_dim(m, "attention.key_length", "attention.value_length", 64)?;
+    let window = m.usize_opt("attention.sliding_window")?.filter(|&w| w > 0);
+    let theta = m.f32_opt("rope.freq_base")?.unwrap_or(150_000.0);
+    let scaling = match m.g.get_str(&m.key("rope.scaling.type"))? {
+        Some("yarn") => RopeScaling::Yarn {
+            factor: m.f32_opt("rope.scaling.factor")?.unwrap_or(32.0),
+            original_max_position: m.usize_opt("rope.scaling.original_context_length")?.unwrap_or(4096) as f32,
+            beta_fast: m.f32_opt("rope.scaling.yarn_beta_fast")?.filter(|&x| x != 0.0).unwrap_or(32.0),
+            beta_slow: m.f32_opt("rope.scaling.yarn_beta_slow")?.filter(|&x| x != 0.0).unwrap_or(1.0),
+            attention_factor: None,
+            // The reference implementation's (transformers' config for gpt-oss says
+            // `truncate: false`; llama.cpp rounds the ramp's ends to whole pairs).
+            truncate: false,
+        },
+        None | Some("none") => RopeScaling::None,
+        Some(other) => {
+            return Err(m.err(format!(
+                "RoPE scaling type '{other}' ('{}') is not supported for gpt-oss (yarn, none)",
+                m.key("rope.scaling.type")
+            )));
+        }
+    };
+    let rope = m.rope(RopeStyle::Half, theta, head_dim, head_dim, &scaling, None)?;
+    let experts = Experts {
+        router: RouterKind::TopKSoftmax,
+        glu: Glu::ClampedSwiglu {
+            alpha: m.f32_opt("expert_swiglu_alpha")?.unwrap_or(1.702),
+            limit: m.f32_opt("expert_swiglu_limit")?.unwrap_or(7.0),
+        },
+    };
+    let moe = m.moe(experts, Some(0))?.expect("a MoE layer");
+    let bias = m.has(TensorId::layer(0, TensorKind::AttnQBias));
+    let layers = (0..b.n_layers)
+        .map(|i| LayerSpec {
+            attention: AttentionSpec {
+                n_heads: b.n_heads[i],
+                n_kv_heads: b.n_kv[i],
+                head_dim,
+                window: if i % 2 == 0 { window } else { None },
+                rope: rope.clone(),
+                scale: (head_dim as f32).powf(-0.5),
+                qk_norm: false,
+                v_norm: false,
+                k_eq_v: false,
+                qkv_bias: bias,
+                o_bias: m.has(TensorId::layer(i, TensorKind::AttnOutBias)),
+                sinks: true,
+                kv_source: None,
+            },
+            mlp: None,
+            moe: Some(moe.clone()),
+        })
+        .collect();
+    let (bos, eos) = token_ids(m.g)?;
+    Ok(ModelSpec {
+        family: Family::GptOss,
+        arch: m.arch.to_string(),
         vocab_size: b.vocab,
         hidden_size: b.hidden,
         rms_norm_eps: b.eps,
@@ -484,7 +579,8 @@ fn gemma(m: &Meta) -> Result<ModelSpec> {
 
     let ffn = ffn_lengths(m, n, true)?;
     let is_moe: Vec<bool> = (0..n).map(|i| gemma4 && m.has(TensorId::layer(i, TensorKind::Router))).collect();
-    let moe = m.moe(RouterKind::Gemma4, is_moe.iter().position(|&x| x))?;
+    let experts = Experts { router: RouterKind::Gemma4, glu: Glu::Gated(Activation::GeluTanh) };
+    let moe = m.moe(experts, is_moe.iter().position(|&x| x))?;
 
     let mut layers = Vec::with_capacity(n);
     for i in 0..n {
@@ -510,6 +606,8 @@ fn gemma(m: &Meta) -> Result<ModelSpec> {
                 v_norm: gemma4,
                 k_eq_v: k_eq_v && !s,
                 qkv_bias,
+                o_bias: false,
+                sinks: false,
                 kv_source,
             },
             mlp: Some(ffn[i]),

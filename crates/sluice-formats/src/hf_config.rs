@@ -8,11 +8,11 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 use sluice_core::{
-    Activation, AttentionSpec, Error, Family, LayerSpec, ModelSpec, MoeSpec, PleSpec, Result, RopeScaling, RopeSpec,
-    RopeStyle, RouterKind,
+    Activation, AttentionSpec, Error, Family, Glu, LayerSpec, ModelSpec, MoeSpec, PleSpec, Result, RopeScaling,
+    RopeSpec, RopeStyle, RouterKind,
 };
 
-pub const SUPPORTED: &str = "gemma3, gemma3_text, gemma4, gemma4_text, llama, qwen2, qwen3, qwen3_moe";
+pub const SUPPORTED: &str = "gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen2, qwen3, qwen3_moe";
 
 /// A JSON object with the file it came from, for errors that name both.
 #[derive(Clone, Copy)]
@@ -111,6 +111,7 @@ pub fn read(dir: &Path) -> Result<HfConfig> {
         "gemma4" | "gemma4_text" => gemma4(&cfg, &top)?,
         "gemma3" | "gemma3_text" => gemma3(&cfg, &top)?,
         "llama" | "qwen2" | "qwen3" | "qwen3_moe" => llama_like(&cfg, &model_type)?,
+        "gpt_oss" => gpt_oss(&cfg)?,
         _ => {
             return Err(Error::UnknownArchitecture {
                 path,
@@ -159,6 +160,18 @@ fn rope_params(cfg: &Cfg, params: Option<&Cfg>, default_theta: f32) -> Result<(f
                 .usize_opt("original_max_position_embeddings")?
                 .ok_or_else(|| s.err("llama3 RoPE needs 'original_max_position_embeddings'".into()))?
                 as f32,
+        },
+        "yarn" => RopeScaling::Yarn {
+            factor: s.f32_opt("factor")?.ok_or_else(|| s.err("yarn RoPE needs 'factor'".into()))?,
+            original_max_position: s
+                .usize_opt("original_max_position_embeddings")?
+                .ok_or_else(|| s.err("yarn RoPE needs 'original_max_position_embeddings'".into()))?
+                as f32,
+            // transformers reads these with `or`: a 0 takes the default too.
+            beta_fast: s.f32_opt("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0),
+            beta_slow: s.f32_opt("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0),
+            attention_factor: s.f32_opt("attention_factor")?,
+            truncate: s.bool_opt("truncate")?.unwrap_or(true),
         },
         "proportional" => RopeScaling::Proportional {
             partial: s.f32_opt("partial_rotary_factor")?.unwrap_or(1.0),
@@ -211,6 +224,8 @@ fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
                 top_k,
                 intermediate: cfg.usize_opt("moe_intermediate_size")?.unwrap_or(768),
                 router: RouterKind::Softmax { normalize_top_k: cfg.bool_opt("norm_topk_prob")?.unwrap_or(false) },
+                glu: Glu::Gated(activation(cfg, "hidden_act", Activation::Silu)?),
+                expert_bias: false,
             },
             cfg.usize_opt("decoder_sparse_step")?.unwrap_or(1).max(1),
             cfg.ids("mlp_only_layers")?,
@@ -235,6 +250,8 @@ fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
                     v_norm: false,
                     k_eq_v: false,
                     qkv_bias: model_type == "qwen2" || cfg.bool_opt("attention_bias").ok().flatten().unwrap_or(false),
+                    o_bias: false,
+                    sinks: false,
                     kv_source: None,
                 },
                 mlp: if sparse.is_some() { None } else { Some(intermediate) },
@@ -254,6 +271,120 @@ fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
         final_logit_softcap: None,
         tie_word_embeddings: cfg.bool_opt("tie_word_embeddings")?.unwrap_or(false),
         max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(4096),
+        layers,
+        ple: None,
+        bos_token_id: cfg.ids("bos_token_id")?.first().copied(),
+        eos_token_ids: cfg.ids("eos_token_id")?,
+        weight_dtype: None,
+    })
+}
+
+/// Which layers slide, from `layer_types` (one entry per layer) or `default`.
+fn sliding_layers(cfg: &Cfg, n_layers: usize, default: impl Fn(usize) -> bool) -> Result<Vec<bool>> {
+    match cfg.get("layer_types") {
+        None => Ok((0..n_layers).map(default).collect()),
+        Some(Value::Array(a)) if a.len() == n_layers => a
+            .iter()
+            .map(|v| match v.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(cfg.err(format!("unknown layer type {v} in 'layer_types'"))),
+            })
+            .collect(),
+        Some(Value::Array(a)) => Err(cfg.err(format!("'layer_types' has {} entries for {n_layers} layers", a.len()))),
+        Some(v) => Err(cfg.err(format!("'layer_types' must be a list, found {v}"))),
+    }
+}
+
+/// gpt-oss, as `GptOssConfig` reads it: every layer has attention sinks, biases on
+/// all four attention projections, and routed experts (top-k of the router's logits,
+/// softmax over those, a clamped SwiGLU with biases); layers alternate sliding
+/// (even indices) and full attention; YaRN RoPE.
+fn gpt_oss(cfg: &Cfg) -> Result<ModelSpec> {
+    let hidden = cfg.usize_opt("hidden_size")?.unwrap_or(2880);
+    let n_layers = cfg.usize_opt("num_hidden_layers")?.unwrap_or(36);
+    let n_heads = cfg.usize_opt("num_attention_heads")?.unwrap_or(64);
+    let n_kv = cfg.usize_opt("num_key_value_heads")?.unwrap_or(n_heads);
+    let head_dim = cfg.usize_opt("head_dim")?.unwrap_or(64);
+    if n_heads == 0 || n_kv == 0 || n_heads % n_kv != 0 {
+        return Err(cfg.err(format!(
+            "num_attention_heads ({n_heads}) must be a positive multiple of num_key_value_heads ({n_kv})"
+        )));
+    }
+    let n_experts = match cfg.usize_opt("num_local_experts")? {
+        Some(n) => n,
+        None => cfg.usize_opt("num_experts")?.unwrap_or(128),
+    };
+    let top_k = cfg.usize_opt("num_experts_per_tok")?.unwrap_or(4);
+    if top_k == 0 || top_k > n_experts {
+        return Err(
+            cfg.err(format!("num_experts_per_tok ({top_k}) must be between 1 and num_local_experts ({n_experts})"))
+        );
+    }
+    let sliding = sliding_layers(cfg, n_layers, |i| i % 2 == 0)?;
+    let window = cfg.usize_opt("sliding_window")?.unwrap_or(128);
+    let rope_cfg = cfg.sub("rope_parameters")?;
+    let (theta, scaling) = match (&rope_cfg, cfg.sub("rope_scaling")?) {
+        (None, None) => (
+            cfg.f32_opt("rope_theta")?.unwrap_or(150_000.0),
+            RopeScaling::Yarn {
+                factor: 32.0,
+                original_max_position: 4096.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: None,
+                truncate: false,
+            },
+        ),
+        _ => rope_params(cfg, rope_cfg.as_ref(), 150_000.0)?,
+    };
+    let rope = RopeSpec::new(RopeStyle::Half, theta, head_dim, head_dim, &scaling);
+    let bias = cfg.bool_opt("attention_bias")?.unwrap_or(true);
+    let moe = MoeSpec {
+        n_experts,
+        top_k,
+        intermediate: cfg.usize_opt("intermediate_size")?.unwrap_or(2880),
+        router: RouterKind::TopKSoftmax,
+        glu: Glu::ClampedSwiglu {
+            alpha: cfg.f32_opt("swiglu_alpha")?.unwrap_or(1.702),
+            limit: cfg.f32_opt("swiglu_limit")?.unwrap_or(7.0),
+        },
+        expert_bias: true,
+    };
+    let layers = sliding
+        .iter()
+        .map(|&s| LayerSpec {
+            attention: AttentionSpec {
+                n_heads,
+                n_kv_heads: n_kv,
+                head_dim,
+                window: s.then_some(window),
+                rope: rope.clone(),
+                scale: (head_dim as f32).powf(-0.5),
+                qk_norm: false,
+                v_norm: false,
+                k_eq_v: false,
+                qkv_bias: bias,
+                o_bias: bias,
+                sinks: true,
+                kv_source: None,
+            },
+            mlp: None,
+            moe: Some(moe.clone()),
+        })
+        .collect();
+    Ok(ModelSpec {
+        family: Family::GptOss,
+        arch: "gpt_oss".into(),
+        vocab_size: cfg.usize_opt("vocab_size")?.unwrap_or(201_088),
+        hidden_size: hidden,
+        rms_norm_eps: cfg.f32_opt("rms_norm_eps")?.unwrap_or(1e-5),
+        activation: Activation::Silu,
+        embed_scale: 1.0,
+        norm_weight_offset: 0.0,
+        final_logit_softcap: None,
+        tie_word_embeddings: cfg.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+        max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(131_072),
         layers,
         ple: None,
         bos_token_id: cfg.ids("bos_token_id")?.first().copied(),
@@ -371,6 +502,8 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
             top_k,
             intermediate: cfg.usize("moe_intermediate_size")?,
             router: RouterKind::Gemma4,
+            glu: Glu::Gated(activation(cfg, "hidden_activation", Activation::GeluTanh)?),
+            expert_bias: false,
         })
     } else {
         None
@@ -404,6 +537,8 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
                 v_norm: true,
                 k_eq_v: k_eq_v && !sliding[i],
                 qkv_bias: cfg.bool_opt("attention_bias")?.unwrap_or(false),
+                o_bias: false,
+                sinks: false,
                 kv_source,
             },
             mlp: Some(intermediate * if double_wide && shared { 2 } else { 1 }),
@@ -506,6 +641,8 @@ fn gemma3(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
                     v_norm: false,
                     k_eq_v: false,
                     qkv_bias: cfg.bool_opt("attention_bias")?.unwrap_or(false),
+                    o_bias: false,
+                    sinks: false,
                     kv_source: None,
                 },
                 mlp: Some(intermediate),

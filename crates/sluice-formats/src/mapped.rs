@@ -14,6 +14,18 @@ use sluice_core::{DType, Error, MatRef, Result};
 pub struct MappedFile {
     path: PathBuf,
     mmap: Mmap,
+    /// Whether the bytes are the file's own at the same offsets.
+    backing: Backing,
+}
+
+/// What a [`MappedFile`]'s bytes are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// The file itself, mapped: a read of the file at a tensor's offset gives its bytes.
+    File,
+    /// This process's own memory (copies of ranges, or tensors rearranged at open):
+    /// the path names where they came from, but the file does not hold them there.
+    Memory,
 }
 
 impl MappedFile {
@@ -23,7 +35,20 @@ impl MappedFile {
         // mapped can still fault on access; that is the documented limit of mapped
         // residency (streamed residency reads with pread instead).
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        Ok(Arc::new(MappedFile { path: path.to_path_buf(), mmap }))
+        Ok(Arc::new(MappedFile { path: path.to_path_buf(), mmap, backing: Backing::File }))
+    }
+
+    /// `bytes` in this process's memory, as a file of `path`'s (for errors) that is
+    /// not on disk: tensors computed at open rather than read.
+    pub fn in_memory(path: &Path, bytes: &[u8]) -> Result<Arc<MappedFile>> {
+        let mut mem = memmap2::MmapMut::map_anon(bytes.len().max(1)).map_err(|e| Error::io(path, e))?;
+        mem[..bytes.len()].copy_from_slice(bytes);
+        let mmap = mem.make_read_only().map_err(|e| Error::io(path, e))?;
+        Ok(Arc::new(MappedFile { path: path.to_path_buf(), mmap, backing: Backing::Memory }))
+    }
+
+    pub fn backing(&self) -> Backing {
+        self.backing
     }
 
     /// Copies of the byte ranges `ranges` (offset, length) of this file, read into
@@ -54,6 +79,15 @@ impl MappedFile {
             // Only advice: without transparent huge pages the copy works on small pages.
             let _ = mem.advise(memmap2::Advice::HugePage);
         }
+        if self.backing == Backing::Memory {
+            // Already in memory and not in the file at these offsets: copy the bytes.
+            for (&(off, n), &to) in ranges.iter().zip(&offsets) {
+                mem[to..to + n].copy_from_slice(&self.mmap[off..off + n]);
+            }
+            progress(ranges.iter().map(|r| r.1 as u64).sum());
+            let mmap = mem.make_read_only().map_err(|e| Error::io(path, e))?;
+            return Ok((Arc::new(MappedFile { path: path.clone(), mmap, backing: Backing::Memory }), offsets));
+        }
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
         // The file must still be the one that was mapped and parsed.
         let now = file.metadata().map_err(|e| Error::io(path, e))?.len();
@@ -75,7 +109,7 @@ impl MappedFile {
             }
         }
         let mmap = mem.make_read_only().map_err(|e| Error::io(path, e))?;
-        Ok((Arc::new(MappedFile { path: path.clone(), mmap }), offsets))
+        Ok((Arc::new(MappedFile { path: path.clone(), mmap, backing: Backing::Memory }), offsets))
     }
 
     pub fn path(&self) -> &Path {

@@ -25,6 +25,9 @@ pub enum TensorKind {
     AttnQBias,
     AttnKBias,
     AttnVBias,
+    AttnOutBias,
+    /// gpt-oss: one learned logit per query head that joins each attention softmax.
+    AttnSinks,
     AttnQNorm,
     AttnKNorm,
     AttnPostNorm,
@@ -50,6 +53,10 @@ pub enum TensorKind {
     ExpsGate,
     ExpsUp,
     ExpsDown,
+    /// Per-expert biases `[E, I]` (gate, up) and `[E, H]` (down) (gpt-oss).
+    ExpsGateBias,
+    ExpsUpBias,
+    ExpsDownBias,
     /// One expert's 2-D tensors (the Hugging Face hub form).
     ExpGate(usize),
     ExpUp(usize),
@@ -95,6 +102,7 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
     };
     // Gemma 4 keeps the router and experts beside the MLP; Qwen keeps them inside it.
     let moe = if gemma { "" } else { "mlp." };
+    let gpt_oss = family == Family::GptOss;
     let rel = match id.kind {
         AttnNorm => "input_layernorm.weight".to_string(),
         AttnQ => "self_attn.q_proj.weight".into(),
@@ -104,6 +112,8 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
         AttnQBias => "self_attn.q_proj.bias".into(),
         AttnKBias => "self_attn.k_proj.bias".into(),
         AttnVBias => "self_attn.v_proj.bias".into(),
+        AttnOutBias => "self_attn.o_proj.bias".into(),
+        AttnSinks => "self_attn.sinks".into(),
         AttnQNorm => "self_attn.q_norm.weight".into(),
         AttnKNorm => "self_attn.k_norm.weight".into(),
         // Llama's "post_attention_layernorm" is the norm before the MLP.
@@ -118,8 +128,10 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
         FfnPreNorm2 => "pre_feedforward_layernorm_2.weight".into(),
         FfnPostNorm2 => "post_feedforward_layernorm_2.weight".into(),
         Router if gemma => "router.proj.weight".into(),
+        Router if gpt_oss => "mlp.router.weight".into(),
         Router => "mlp.gate.weight".into(),
         RouterBias if gemma => "router.proj.bias".into(),
+        RouterBias if gpt_oss => "mlp.router.bias".into(),
         RouterBias => "mlp.gate.bias".into(),
         RouterScale => "router.scale".into(),
         RouterExpertScale => "router.per_expert_scale".into(),
@@ -127,6 +139,11 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
         ExpsGate => format!("{moe}experts.gate_proj"),
         ExpsUp => format!("{moe}experts.up_proj"),
         ExpsDown => format!("{moe}experts.down_proj"),
+        // gpt-oss's own tensors are `gate_up_proj[_bias]` (transposed, gate and up
+        // interleaved) and `down_proj[_bias]`; `Checkpoint` rearranges them into these.
+        ExpsGateBias => format!("{moe}experts.gate_proj_bias"),
+        ExpsUpBias => format!("{moe}experts.up_proj_bias"),
+        ExpsDownBias => format!("{moe}experts.down_proj_bias"),
         ExpGate(e) => format!("{moe}experts.{e}.gate_proj.weight"),
         ExpUp(e) => format!("{moe}experts.{e}.up_proj.weight"),
         ExpDown(e) => format!("{moe}experts.{e}.down_proj.weight"),
@@ -165,6 +182,8 @@ pub fn gguf_name(id: TensorId) -> String {
         AttnQBias => "attn_q.bias".into(),
         AttnKBias => "attn_k.bias".into(),
         AttnVBias => "attn_v.bias".into(),
+        AttnOutBias => "attn_output.bias".into(),
+        AttnSinks => "attn_sinks.weight".into(),
         AttnQNorm => "attn_q_norm.weight".into(),
         AttnKNorm => "attn_k_norm.weight".into(),
         AttnPostNorm => "post_attention_norm.weight".into(),
@@ -187,6 +206,9 @@ pub fn gguf_name(id: TensorId) -> String {
         ExpsGate => "ffn_gate_exps.weight".into(),
         ExpsUp => "ffn_up_exps.weight".into(),
         ExpsDown => "ffn_down_exps.weight".into(),
+        ExpsGateBias => "ffn_gate_exps.bias".into(),
+        ExpsUpBias => "ffn_up_exps.bias".into(),
+        ExpsDownBias => "ffn_down_exps.bias".into(),
         ExpGate(e) => format!("ffn_gate.{e}.weight"),
         ExpUp(e) => format!("ffn_up.{e}.weight"),
         ExpDown(e) => format!("ffn_down.{e}.weight"),

@@ -62,7 +62,14 @@ pub enum Arch {
     Qwen3Moe,
     /// `gemma4`: sliding and full attention interleaved, a dense MLP beside the experts.
     Gemma4,
+    /// `gpt-oss`: even layers slide ([`GPT_OSS_WINDOW`]), biases on the attention
+    /// projections, the router and the experts, attention sinks, YaRN RoPE, no q/k
+    /// norms; the experts in MXFP4 (their native format) whatever `--quant` says.
+    GptOss,
 }
+
+/// gpt-oss's sliding window (its config's `sliding_window`).
+pub const GPT_OSS_WINDOW: usize = 128;
 
 /// Gemma 4's interleaved attention.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -163,6 +170,27 @@ impl Geometry {
                     full_rotary_fraction: 0.25,
                 }),
             },
+            // openai/gpt-oss-120b config.json.
+            Geometry {
+                name: "gpt-oss-120b",
+                arch: Arch::GptOss,
+                n_layers: 36,
+                full_layers: 36,
+                hidden: 2880,
+                n_heads: 64,
+                n_kv_heads: 8,
+                head_dim: 64,
+                n_experts: 128,
+                top_k: 4,
+                expert_ffn: 2880,
+                dense_ffn: 2880,
+                vocab: 201088,
+                context: 131072,
+                rope_theta: 150000.0,
+                rms_eps: 1e-5,
+                softcap: None,
+                interleaved: None,
+            },
             // Small enough for tests; the expert width (128) is not a whole Q4_K
             // super-block, so its down projection takes the 32-element fallback.
             Geometry {
@@ -233,9 +261,10 @@ impl Geometry {
         Ok(self)
     }
 
-    /// Whether layer `l` is full attention (always, outside Gemma 4).
+    /// Whether layer `l` is full attention (always, outside Gemma 4 and gpt-oss).
     pub fn is_full(&self, l: usize) -> bool {
         match self.interleaved {
+            None if self.arch == Arch::GptOss => l % 2 == 1,
             None => true,
             Some(i) => l + 1 == self.n_layers || (l + 1).is_multiple_of(i.period),
         }
@@ -600,6 +629,7 @@ fn metadata(o: &SynthOptions) -> Vec<(String, GgufValue)> {
     let a = match g.arch {
         Arch::Qwen3Moe => "qwen3moe",
         Arch::Gemma4 => "gemma4",
+        Arch::GptOss => "gpt-oss",
     };
     let key = |k: &str| format!("{a}.{k}");
     put("general.architecture", GgufValue::String(a.into()));
@@ -634,6 +664,16 @@ fn metadata(o: &SynthOptions) -> Vec<(String, GgufValue)> {
             put(&key("rope.dimension_count"), u32v(i.full_head_dim));
             put(&key("rope.dimension_count_swa"), u32v(g.head_dim));
         }
+    }
+    if g.arch == Arch::GptOss {
+        // What llama.cpp's converter writes for gpt-oss's config (YaRN, factor 32 over
+        // 4096 positions).
+        put(&key("attention.sliding_window"), u32v(GPT_OSS_WINDOW));
+        put(&key("rope.scaling.type"), GgufValue::String("yarn".into()));
+        put(&key("rope.scaling.factor"), GgufValue::F32(32.0));
+        put(&key("rope.scaling.original_context_length"), u32v(4096));
+        put(&key("rope.scaling.yarn_beta_fast"), GgufValue::F32(32.0));
+        put(&key("rope.scaling.yarn_beta_slow"), GgufValue::F32(1.0));
     }
     put(&key("attention.layer_norm_rms_epsilon"), GgufValue::F32(g.rms_eps));
     if let Some(c) = g.softcap {
@@ -733,6 +773,10 @@ fn tensors(o: &SynthOptions) -> Vec<SynthTensor> {
     }
 
     for l in 0..g.n_layers {
+        if g.arch == Arch::GptOss {
+            gpt_oss_layer(&mut t, o, l, out);
+            continue;
+        }
         let n = |s: &str| format!("blk.{l}.{s}");
         let (kv, hd) = g.attention(l);
         let (qd, kvd) = (g.n_heads * hd, kv * hd);
@@ -792,6 +836,42 @@ fn tensors(o: &SynthOptions) -> Vec<SynthTensor> {
         t.mat("output.weight".into(), output_type(q), &[g.vocab, h], 1.0);
     }
     t.0
+}
+
+/// One gpt-oss layer, in llama.cpp's converter's names: biases beside every
+/// projection, the router and the experts; a sink logit per head; the experts' norm is
+/// `post_attention_norm`. `out` scales the residual branches' output projections.
+fn gpt_oss_layer(t: &mut Tensors, o: &SynthOptions, l: usize, out: f32) {
+    let (g, q, tu) = (&o.geometry, o.quant, o.tuning);
+    let (h, e, i, hd) = (g.hidden, g.n_experts, g.expert_ffn, g.head_dim);
+    let (qd, kvd) = (g.n_heads * hd, g.n_kv_heads * hd);
+    let n = |s: &str| format!("blk.{l}.{s}");
+    let bias =
+        |t: &mut Tensors, name: String, shape: &[usize]| t.push(name, DType::F32, shape, Init::Random(0.02), None);
+    t.norm(n("attn_norm.weight"), h, 1.0);
+    // No q/k norms: q and k of RMS score_std^1/2 make scores q·k·hd^-1/2 of spread score_std.
+    let qk = tu.score_std.sqrt();
+    t.mat(n("attn_q.weight"), q, &[qd, h], qk);
+    t.mat(n("attn_k.weight"), q, &[kvd, h], qk);
+    t.mat(n("attn_v.weight"), q, &[kvd, h], 1.0);
+    t.mat(n("attn_output.weight"), q, &[h, qd], out);
+    bias(t, n("attn_q.bias"), &[qd]);
+    bias(t, n("attn_k.bias"), &[kvd]);
+    bias(t, n("attn_v.bias"), &[kvd]);
+    bias(t, n("attn_output.bias"), &[h]);
+    t.push(n("attn_sinks.weight"), DType::F32, &[g.n_heads], Init::Random(1.0), None);
+    t.norm(n("post_attention_norm.weight"), h, 1.0);
+    t.push(n("ffn_gate_inp.weight"), DType::F32, &[e, h], Init::Random(tu.router_std * (h as f32).powf(-0.5)), None);
+    // gpt-oss's router always has a bias; the skew's popularity is all of it.
+    let router_bias = if o.skew > 0.0 { router_bias(e, o.skew, o.seed, l) } else { vec![0.0; e] };
+    t.push(n("ffn_gate_inp.bias"), DType::F32, &[e], Init::Values(router_bias), None);
+    let x = DType::MXFP4;
+    t.experts(n("ffn_gate_exps.weight"), x, [e, i, h], 1.0, l, ExpertPart::Gate);
+    t.experts(n("ffn_up_exps.weight"), x, [e, i, h], 1.0, l, ExpertPart::Up);
+    t.experts(n("ffn_down_exps.weight"), x, [e, h, i], out, l, ExpertPart::Down);
+    bias(t, n("ffn_gate_exps.bias"), &[e, i]);
+    bias(t, n("ffn_up_exps.bias"), &[e, i]);
+    bias(t, n("ffn_down_exps.bias"), &[e, h]);
 }
 
 /// A fast generator (wyrand): 64 bits a multiply.

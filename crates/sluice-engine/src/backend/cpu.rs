@@ -242,6 +242,7 @@ impl Backend for Cpu {
             scale: s.scale,
             window: s.window,
             softcap: None,
+            sinks: op.sinks.map(|v| v.as_slice()),
         };
         let seqs: Vec<AttnSeq<'_>> = op
             .batch

@@ -38,6 +38,8 @@ pub struct AttnOp<'a, B: Backend> {
     pub v: &'a B::Act,
     pub batch: &'a Batch,
     pub caches: &'a [&'a B::Kv],
+    /// One logit per query head that joins each softmax without a value (gpt-oss).
+    pub sinks: Option<&'a B::Vector>,
 }
 
 /// A router: how its logits become each row's experts and weights.

@@ -4,6 +4,7 @@
 
 pub mod gemma3;
 pub mod gemma4;
+pub mod gpt_oss;
 pub mod llama;
 
 use sluice_core::Result;
