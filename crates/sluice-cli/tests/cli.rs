@@ -250,6 +250,31 @@ fn missing_expert_tensor() {
     assert_one_error(&logits_of(&d, "1,2"), "model.layers.2.mlp.experts.5.up_proj.weight");
 }
 
+/// gpt-oss's MXFP4 experts: a missing scale tensor, misshapen blocks, and byte tensors
+/// in a family that has none each end in one error naming the tensor.
+#[test]
+fn gpt_oss_bad_experts() {
+    let d = scratch("gpt-oss-mxfp4", "oss-missing");
+    rewrite_safetensors(&d.join("model.safetensors"), |v| {
+        v.retain(|t| t.0 != "model.layers.2.mlp.experts.down_proj_scales")
+    });
+    assert_one_error(&logits_of(&d, "1,2"), "model.layers.2.mlp.experts.down_proj_scales");
+
+    let d = scratch("gpt-oss-mxfp4", "oss-shape");
+    rewrite_safetensors(&d.join("model.safetensors"), |v| {
+        let t = v.iter_mut().find(|t| t.0 == "model.layers.1.mlp.experts.gate_up_proj_blocks").unwrap();
+        // [4, 64, 2, 16] read as [4, 64, 1, 32]: the same bytes, the wrong blocks.
+        t.2 = vec![4, 64, 1, 32];
+    });
+    assert_one_error(&logits_of(&d, "1,2"), "model.layers.1.mlp.experts.gate_up_proj_blocks");
+
+    let d = scratch("qwen3", "u8");
+    rewrite_safetensors(&d.join("model.safetensors"), |v| {
+        v.push(("model.layers.0.extra_codes".into(), safetensors::Dtype::U8, vec![4], vec![1, 2, 3, 4]))
+    });
+    assert_one_error(&logits_of(&d, "1,2"), "model.layers.0.extra_codes");
+}
+
 #[test]
 fn truncated_safetensors() {
     let d = scratch("qwen3", "truncated");

@@ -164,6 +164,38 @@ fn synth_tiny_moe_runs_and_streams_identically() {
     assert!(logits(&packed, TOKENS, "prefill", &[], &dir.join("b.f32")) == a, "synth --packed is the same model");
 }
 
+/// gpt-oss's geometry: MXFP4 experts whatever --quant says, biases, sinks, YaRN; logits
+/// of unit scale, streamed and packed bitwise as mapped.
+#[test]
+fn synth_gpt_oss_runs_streamed_and_packed_identically() {
+    let dir = scratch("gpt-oss");
+    let model = dir.join("gpt-oss.gguf");
+    ok(&["synth", "--geometry", "tiny-gpt-oss", "--quant", "q8_0", "--skew", "0.9", "--out", s(&model)]);
+    let ckpt = Checkpoint::open(&model).unwrap();
+    assert_eq!(ckpt.spec.family, sluice_core::Family::GptOss);
+    let g = ckpt.gguf().unwrap();
+    assert_eq!(g.tensor("blk.0.ffn_gate_exps.weight").unwrap().dtype, sluice_core::DType::MXFP4);
+    assert_eq!(g.tensor("blk.0.attn_q.weight").unwrap().dtype, sluice_core::DType::Q8_0);
+    let a = ckpt.spec.layers.iter().map(|l| l.attention.window).collect::<Vec<_>>();
+    assert_eq!(a, vec![Some(128), None, Some(128), None]);
+    let vocab = ckpt.spec.vocab_size;
+    let packed = dir.join("packed");
+    ok(&["pack", "--model", s(&model), "--out", s(&packed)]);
+    for mode in ["prefill", "decode"] {
+        let mapped = logits(&model, TOKENS, mode, &["--residency", "mapped"], &dir.join("a.f32"));
+        let values: Vec<f32> = mapped.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(values.len(), 20 * vocab);
+        let mean = values.iter().sum::<f32>() / values.len() as f32;
+        let sd = (values.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / values.len() as f32).sqrt();
+        assert!((0.3..3.0).contains(&sd), "{mode}: logits of unit scale, got sd {sd}");
+        let streamed =
+            logits(&model, TOKENS, mode, &["--residency", "streamed", "--expert-cache", "4"], &dir.join("b.f32"));
+        assert!(streamed == mapped, "{mode}: streamed differs from mapped");
+        let p = logits(&packed, TOKENS, mode, &["--residency", "streamed", "--expert-cache", "5"], &dir.join("c.f32"));
+        assert!(p == mapped, "{mode}: the packed form differs");
+    }
+}
+
 /// Per layer, the share of decode-step routing that went to the `n` experts the router
 /// bias ranks most popular.
 fn popular_share(model: &Path, bias_of: &Path, n: usize, dir: &Path) -> Vec<f64> {

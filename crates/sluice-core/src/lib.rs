@@ -1,6 +1,7 @@
 //! Types shared by every sluice crate: element and block formats, the normalized
 //! model description ([`ModelSpec`]) and the one error type.
 
+pub mod cache;
 pub mod dtype;
 pub mod error;
 pub mod mat;

@@ -2,11 +2,11 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig};
+use sluice_core::cache::{cache_dir, fnv64};
 use sluice_core::{DType, Error, Result};
 
 const SOURCE: &str = include_str!("kernels.cu");
@@ -138,25 +138,6 @@ pub fn compile(major: i32, minor: i32, unit: Unit) -> Result<Vec<u8>> {
     }
 }
 
-/// Where compiled kernels are kept between runs: `$SLUICE_CACHE_DIR/cuda`, else
-/// `$XDG_CACHE_HOME/sluice/cuda`, else `~/.cache/sluice/cuda`.
-fn cache_dir() -> Option<PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    let base = var("SLUICE_CACHE_DIR")
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("sluice")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache/sluice")))?;
-    Some(base.join("cuda"))
-}
-
-/// FNV-1a: a hash that stays the same from build to build, to name cached kernels.
-fn fnv64(parts: &[&[u8]]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for b in parts.iter().flat_map(|p| p.iter()) {
-        h = (h ^ *b as u64).wrapping_mul(0x100_0000_01b3);
-    }
-    h
-}
-
 /// Unit `unit`'s machine code: from the cache if an earlier run compiled this
 /// source for this device and NVRTC, else compiled now and cached (best effort: an
 /// unwritable cache only means compiling again next time).
@@ -166,7 +147,8 @@ fn machine_code(major: i32, minor: i32, unit: Unit) -> Result<Vec<u8>> {
     let _ = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nv_major, &mut nv_minor) };
     let key = format!("{major}.{minor} nvrtc {nv_major}.{nv_minor} {:?}", unit.defines());
     let name = format!("{}-sm_{major}{minor}-{:016x}.cubin", unit.label(), fnv64(&[SOURCE.as_bytes(), key.as_bytes()]));
-    let path = cache_dir().map(|d| d.join(name));
+    // Kept in `$SLUICE_CACHE_DIR/cuda` (see `sluice_core::cache::cache_dir`).
+    let path = cache_dir("cuda").map(|d| d.join(name));
     if let Some(bin) = path.as_ref().and_then(|p| std::fs::read(p).ok())
         && !bin.is_empty()
     {

@@ -125,10 +125,13 @@ fn fixtures_against_transformers() {
     let Some(be) = gpu() else { return };
     // One backend for all of them, as a server holding several models would: its VRAM
     // tier keeps each model's experts apart.
-    for name in ["llama", "qwen3", "qwen3-moe", "qwen3-moe-fused", "gemma3", "gemma4-dense", "gemma4-moe"] {
+    let names = ["llama", "qwen3", "qwen3-moe", "qwen3-moe-fused", "gemma3", "gemma4-dense", "gemma4-moe", "gpt-oss"];
+    for name in names {
         let dir = fixtures().join(name);
         let (tokens, want) = reference(&dir);
-        let ckpt = Checkpoint::open(&dir).unwrap();
+        // gpt-oss from its GGUF (llama.cpp's converter), the form people run.
+        let file = if name == "gpt-oss" { dir.join("gpt-oss.gguf") } else { dir.clone() };
+        let ckpt = Checkpoint::open(&file).unwrap();
         let model = Model::load(be.clone(), &ckpt).unwrap_or_else(|e| panic!("{name}: {e}"));
         let mut s = model.session().unwrap();
         let prefill = s.forward(&tokens, Logits::All).unwrap();
@@ -283,7 +286,8 @@ fn routing_on_the_device_chooses_as_the_cpu() {
 #[test]
 fn long_sequences_against_the_cpu() {
     let Some(be) = gpu() else { return };
-    for name in ["qwen3", "qwen3-moe", "gemma4-moe"] {
+    // gpt-oss: its sinks join the split softmax in the merge.
+    for name in ["qwen3", "qwen3-moe", "gemma4-moe", "gpt-oss/gpt-oss.gguf"] {
         let ckpt = Checkpoint::open(&fixtures().join(name)).unwrap();
         let tokens: Vec<u32> = (0..240u32).map(|i| (i * 37 + 11) % 512).collect();
         let run = |gpu: Option<&Cuda>| -> Vec<f32> {

@@ -104,15 +104,29 @@ fn gpt_oss_gguf() {
     check_file("gpt-oss", &fixture("gpt-oss/gpt-oss.gguf"));
 }
 
-/// The Hugging Face folder (experts rearranged at open) computes the GGUF's logits
-/// bitwise: the same f32 weights in the same layout.
+/// The Hugging Face folders (experts rearranged at open, float or MXFP4) stream like any
+/// file, through every residency.
 #[test]
-fn gpt_oss_folder_equals_its_gguf() {
-    let dir = fixture("gpt-oss");
-    let toks = tokens(&dir);
-    let hf = Model::open(&dir).unwrap();
-    let gg = Model::open(&dir.join("gpt-oss.gguf")).unwrap();
-    for decode in [false, true] {
-        assert!(logits(&hf, &toks, decode) == logits(&gg, &toks, decode), "decode {decode}: logits differ");
+fn gpt_oss_folder() {
+    check("gpt-oss");
+}
+
+#[test]
+fn gpt_oss_mxfp4_folder() {
+    check("gpt-oss-mxfp4");
+}
+
+/// A Hugging Face folder computes its GGUF's logits bitwise: the same weights in the
+/// same layout once its experts are rearranged.
+#[test]
+fn gpt_oss_folders_equal_their_ggufs() {
+    for (name, file) in [("gpt-oss", "gpt-oss.gguf"), ("gpt-oss-mxfp4", "gpt-oss-mxfp4.gguf")] {
+        let dir = fixture(name);
+        let toks = tokens(&dir);
+        let hf = Model::open(&dir).unwrap();
+        let gg = Model::open(&dir.join(file)).unwrap();
+        for decode in [false, true] {
+            assert!(logits(&hf, &toks, decode) == logits(&gg, &toks, decode), "{name} decode {decode}: logits differ");
+        }
     }
 }

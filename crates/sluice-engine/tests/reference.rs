@@ -4,7 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use sluice_engine::{Logits, Model};
+use sluice_core::Precision;
+use sluice_engine::{Cpu, LoadOptions, Logits, Model};
+use sluice_formats::Checkpoint;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny")
@@ -39,11 +41,15 @@ fn check(name: &str) {
 }
 
 /// The fixture `name`'s reference against the model at `path` (its folder, or another
-/// form of the same weights).
+/// form of the same weights). Products on quantized weights take 16-bit activations
+/// (`Precision::Accurate`), so the only difference from transformers' f32 forward over
+/// the same (dequantized) weights is rounding.
 fn check_file(name: &str, path: &Path) {
     let dir = fixtures().join(name);
     let r = reference(&dir);
-    let model = Model::open(path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let ckpt = Checkpoint::open(path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let opts = LoadOptions { precision: Some(Precision::Accurate), ..Default::default() };
+    let model = Model::load_with(Cpu::default(), &ckpt, &opts, None).unwrap_or_else(|e| panic!("{name}: {e}"));
     assert_eq!(model.spec.vocab_size, r.vocab);
 
     let mut s = model.session().unwrap();
@@ -110,4 +116,16 @@ fn gpt_oss() {
 #[test]
 fn gpt_oss_gguf_from_llama_cpps_converter() {
     check_file("gpt-oss", &fixtures().join("gpt-oss/gpt-oss.gguf"));
+}
+
+/// As published: bf16, experts in MXFP4 byte tensors (blocks and scales), rearranged
+/// into GGUF's MXFP4 blocks at open.
+#[test]
+fn gpt_oss_mxfp4() {
+    check("gpt-oss-mxfp4");
+}
+
+#[test]
+fn gpt_oss_mxfp4_gguf_from_llama_cpps_converter() {
+    check_file("gpt-oss-mxfp4", &fixtures().join("gpt-oss-mxfp4/gpt-oss-mxfp4.gguf"));
 }

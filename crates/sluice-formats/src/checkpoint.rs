@@ -83,7 +83,7 @@ impl Checkpoint {
     pub fn open_hf(path: &Path) -> Result<Checkpoint> {
         let cfg = hf_config::read(path)?;
         let mut spec = cfg.spec;
-        let tensors = safetensors::read_folder(path)?;
+        let safetensors::Tensors { mut tensors, mut bytes } = safetensors::read_folder(path)?;
         let candidates: &[&str] = if cfg.wrapped {
             &["model.language_model.", "language_model.model.", "model."]
         } else {
@@ -98,9 +98,15 @@ impl Checkpoint {
             })?
             .to_string();
         spec.weight_dtype = tensors.get(&format!("{prefix}embed_tokens.weight")).map(|t| t.dtype);
-        let mut tensors = tensors;
         if spec.family == Family::GptOss {
-            crate::gpt_oss::rearrange(path, &prefix, &spec, &mut tensors)?;
+            crate::gpt_oss::rearrange(path, &prefix, &spec, &mut tensors, &mut bytes)?;
+        }
+        // Byte tensors are read only as the parts of a format above.
+        if let Some(t) = bytes.values().min_by(|a, b| a.name.cmp(&b.name)) {
+            return Err(Error::format(
+                t.file().path(),
+                format!("tensor '{}' has type U8, which sluice does not read here (F32, F16, BF16)", t.name),
+            ));
         }
         // A checkpoint without lm_head ties it to the embedding whatever the config says.
         if !tensors.contains_key("lm_head.weight") {

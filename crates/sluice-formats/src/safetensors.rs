@@ -11,34 +11,76 @@ use sluice_core::{DType, Error, Result};
 
 use crate::mapped::{MappedFile, TensorView};
 
+/// A tensor of bytes (safetensors `U8`) that no kernel computes on as it is: gpt-oss's
+/// MXFP4 experts come as `_blocks` (the 4-bit codes) and `_scales` (their exponents),
+/// which are rearranged into MXFP4 blocks at open. The safetensors header has already
+/// checked that `shape` holds `len` bytes within the file.
+#[derive(Clone)]
+pub struct ByteTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    file: Arc<MappedFile>,
+    offset: usize,
+    len: usize,
+}
+
+impl ByteTensor {
+    pub fn bytes(&self) -> &[u8] {
+        &self.file.bytes()[self.offset..self.offset + self.len]
+    }
+
+    pub fn file(&self) -> &MappedFile {
+        &self.file
+    }
+}
+
+/// What a folder's safetensors hold: the tensors sluice computes on, and byte tensors.
+#[derive(Default)]
+pub struct Tensors {
+    pub tensors: HashMap<String, TensorView>,
+    pub bytes: HashMap<String, ByteTensor>,
+}
+
 /// Reads one `.safetensors` file's header and returns its tensors.
-pub fn read_file(path: &Path) -> Result<Vec<TensorView>> {
+pub fn read_file(path: &Path) -> Result<Tensors> {
     let file = MappedFile::open(path)?;
     let (header_len, meta) = SafeTensors::read_metadata(file.bytes())
         .map_err(|e| Error::format(path, format!("not a valid safetensors file: {e}")))?;
     let data_start = 8 + header_len;
-    let mut out = Vec::new();
+    let mut out = Tensors::default();
     for (name, info) in meta.tensors() {
+        let (s, e) = info.data_offsets;
         let dtype = match info.dtype {
             Dtype::F32 => DType::F32,
             Dtype::F16 => DType::F16,
             Dtype::BF16 => DType::BF16,
+            Dtype::U8 => {
+                let t = ByteTensor {
+                    name,
+                    shape: info.shape.clone(),
+                    file: Arc::clone(&file),
+                    offset: data_start + s,
+                    len: e - s,
+                };
+                out.bytes.insert(t.name.clone(), t);
+                continue;
+            }
             other => {
                 return Err(Error::format(
                     path,
-                    format!("tensor '{name}' has type {other:?}, which sluice does not read (F32, F16, BF16)"),
+                    format!("tensor '{name}' has type {other:?}, which sluice does not read (F32, F16, BF16, U8)"),
                 ));
             }
         };
-        let (s, e) = info.data_offsets;
-        out.push(TensorView::new(name, dtype, info.shape.clone(), Arc::clone(&file), data_start + s, e - s)?);
+        let t = TensorView::new(name, dtype, info.shape.clone(), Arc::clone(&file), data_start + s, e - s)?;
+        out.tensors.insert(t.name.clone(), t);
     }
     Ok(out)
 }
 
 /// All tensors of a Hugging Face folder: `model.safetensors`, or the shards that
 /// `model.safetensors.index.json` lists.
-pub fn read_folder(dir: &Path) -> Result<HashMap<String, TensorView>> {
+pub fn read_folder(dir: &Path) -> Result<Tensors> {
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<PathBuf> = if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
@@ -70,16 +112,17 @@ pub fn read_folder(dir: &Path) -> Result<HashMap<String, TensorView>> {
             v
         }
     };
-    let mut tensors = HashMap::new();
+    let mut all = Tensors::default();
     for f in files {
-        for t in read_file(&f)? {
-            if let Some(prev) = tensors.insert(t.name.clone(), t) {
-                return Err(Error::format(
-                    &f,
-                    format!("tensor '{}' also appears in {}", prev.name, prev.path().display()),
-                ));
-            }
+        let one = read_file(&f)?;
+        let names = one.tensors.keys().chain(one.bytes.keys());
+        if let Some(name) = names.into_iter().find(|n| all.tensors.contains_key(*n) || all.bytes.contains_key(*n)) {
+            let prev = all.tensors.get(name).map(|t| t.path()).or_else(|| all.bytes.get(name).map(|t| t.file().path()));
+            let prev = prev.expect("found above");
+            return Err(Error::format(&f, format!("tensor '{name}' also appears in {}", prev.display())));
         }
+        all.tensors.extend(one.tensors);
+        all.bytes.extend(one.bytes);
     }
-    Ok(tensors)
+    Ok(all)
 }
