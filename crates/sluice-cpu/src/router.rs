@@ -72,8 +72,9 @@ struct GroupLimit {
     scaling: f32,
 }
 
-/// DeepSeek-V3's router, as `transformers` computes it: experts outside the chosen
-/// groups are masked to a score of 0 (not minus infinity) before the top-k.
+/// DeepSeek-V3's router, as `transformers` (5.24) computes it: experts outside the
+/// chosen groups are masked to minus infinity before the top-k, so a corrected score
+/// below zero inside a chosen group still wins over every expert outside.
 fn sigmoid_group_limited(
     row: &mut [f32],
     k: usize,
@@ -100,7 +101,7 @@ fn sigmoid_group_limited(
         let keep = top_k(&group_scores, g.topk_groups.min(n_groups));
         for (gi, grp) in choice.chunks_mut(per).enumerate() {
             if !keep.contains(&gi) {
-                grp.fill(0.0);
+                grp.fill(f32::NEG_INFINITY);
             }
         }
     }

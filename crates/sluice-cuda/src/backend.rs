@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
 use sluice_core::{Activation, Error, Glu, Result, RopeSpec, RopeStyle, RouterKind};
-use sluice_engine::backend::{AttnOp, Backend, ExpertFfn, ExpertTraffic, Norm, RouterOp};
+use sluice_engine::backend::{AttnOp, Backend, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols};
 use sluice_engine::batch::{Batch, RowPrecision, SeqRows};
 use sluice_experts::{ExpertLease, ExpertStore, FetchMode};
 use sluice_formats::TensorView;
@@ -641,6 +641,17 @@ impl Backend for Cuda {
         launch!(&self.dev, "columns", elementwise(n);
             self.p(&x.buf), x.cols as i32, start as i32, len as i32, self.p(&out.buf), n as i64)?;
         Ok(out)
+    }
+
+    fn copy_columns(&self, dst: &mut DevAct, to: HeadCols, src: &DevAct, from: HeadCols) -> Result<()> {
+        check_head_cols((dst.rows, dst.cols), to, (src.rows, src.cols), from)?;
+        let n = dst.rows * to.heads * to.len;
+        if n == 0 {
+            return Ok(());
+        }
+        launch!(&self.dev, "copy_columns", elementwise(n);
+            self.p(&dst.buf), dst.cols as i32, to.start as i32, self.p(&src.buf), src.cols as i32, from.start as i32,
+            to.heads as i32, to.len as i32, n as i64)
     }
 
     fn activate(&self, x: &mut DevAct, act: Activation) -> Result<()> {

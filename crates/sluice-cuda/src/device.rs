@@ -536,6 +536,7 @@ fn kernel_names(unit: Unit) -> Vec<String> {
             "gather_rows",
             "scatter_rows",
             "columns",
+            "copy_columns",
             "combine",
             "add_expert_bias",
             "rms_norm",

@@ -409,6 +409,16 @@ extern "C" __global__ void add_expert_bias(float* x, const float* bias, const u3
 extern "C" __global__ void columns(const float* x, int cols, int start, int len, float* out, long long n) {
     EACH(n) out[i] = x[(i / len) * cols + start + i % len];
 }
+// Columns start..start + len of each of `heads` heads, from src to dst, row by row:
+// n = rows * heads * len.
+extern "C" __global__ void copy_columns(float* dst, int dcols, int dstart, const float* src, int scols, int sstart,
+                                        int heads, int len, long long n) {
+    EACH(n) {
+        long long r = i / ((long long)heads * len);
+        int rest = (int)(i % ((long long)heads * len)), h = rest / len, j = rest % len;
+        dst[r * dcols + h * (dcols / heads) + dstart + j] = src[r * scols + h * (scols / heads) + sstart + j];
+    }
+}
 // out[r, :] = sum over j < k of w[r * k + j] * ys[r * k + j, :], in j order.
 extern "C" __global__ void combine(const float* ys, const float* w, int k, int cols, float* out, long long n) {
     EACH(n) {

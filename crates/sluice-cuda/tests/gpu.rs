@@ -125,7 +125,17 @@ fn fixtures_against_transformers() {
     let Some(be) = gpu() else { return };
     // One backend for all of them, as a server holding several models would: its VRAM
     // tier keeps each model's experts apart.
-    let names = ["llama", "qwen3", "qwen3-moe", "qwen3-moe-fused", "gemma3", "gemma4-dense", "gemma4-moe", "gpt-oss"];
+    let names = [
+        "llama",
+        "qwen3",
+        "qwen3-moe",
+        "qwen3-moe-fused",
+        "gemma3",
+        "gemma4-dense",
+        "gemma4-moe",
+        "gpt-oss",
+        "deepseek-v3",
+    ];
     for name in names {
         let dir = fixtures().join(name);
         let (tokens, want) = reference(&dir);
@@ -287,7 +297,7 @@ fn routing_on_the_device_chooses_as_the_cpu() {
 fn long_sequences_against_the_cpu() {
     let Some(be) = gpu() else { return };
     // gpt-oss: its sinks join the split softmax in the merge.
-    for name in ["qwen3", "qwen3-moe", "gemma4-moe", "gpt-oss/gpt-oss.gguf"] {
+    for name in ["qwen3", "qwen3-moe", "gemma4-moe", "gpt-oss/gpt-oss.gguf", "deepseek-v3/deepseek-v3.gguf"] {
         let ckpt = Checkpoint::open(&fixtures().join(name)).unwrap();
         let tokens: Vec<u32> = (0..240u32).map(|i| (i * 37 + 11) % 512).collect();
         let run = |gpu: Option<&Cuda>| -> Vec<f32> {

@@ -57,7 +57,7 @@ impl<'a, B: Backend> Cx<'a, B> {
     }
 
     /// Each sequence's KV cache of layer `layer`, in batch order.
-    fn caches(&self, layer: usize) -> Result<Vec<&'a B::Kv>> {
+    pub(crate) fn caches(&self, layer: usize) -> Result<Vec<&'a B::Kv>> {
         let states: &'a [&'a SeqState<B>] = self.states;
         states.iter().map(|s| s.kv(layer)).collect()
     }
@@ -196,12 +196,21 @@ pub struct Mlp<B: Backend> {
 
 impl<B: Backend> Mlp<B> {
     pub fn load(be: &B, ckpt: &Checkpoint, layer: usize, inter: usize) -> Result<Self> {
+        Self::load_parts(be, ckpt, layer, inter, [TensorKind::FfnGate, TensorKind::FfnUp, TensorKind::FfnDown])
+    }
+
+    /// The shared experts of a MoE layer, as one MLP.
+    pub fn load_shared(be: &B, ckpt: &Checkpoint, layer: usize, inter: usize) -> Result<Self> {
+        Self::load_parts(be, ckpt, layer, inter, [TensorKind::ShexpGate, TensorKind::ShexpUp, TensorKind::ShexpDown])
+    }
+
+    fn load_parts(be: &B, ckpt: &Checkpoint, layer: usize, inter: usize, kinds: [TensorKind; 3]) -> Result<Self> {
         let id = |k| TensorId::layer(layer, k);
         let hidden = ckpt.spec.hidden_size;
         Ok(Mlp {
-            gate: load_mat(be, ckpt, id(TensorKind::FfnGate), inter, hidden)?,
-            up: load_mat(be, ckpt, id(TensorKind::FfnUp), inter, hidden)?,
-            down: load_mat(be, ckpt, id(TensorKind::FfnDown), hidden, inter)?,
+            gate: load_mat(be, ckpt, id(kinds[0]), inter, hidden)?,
+            up: load_mat(be, ckpt, id(kinds[1]), inter, hidden)?,
+            down: load_mat(be, ckpt, id(kinds[2]), hidden, inter)?,
             glu: Glu::Gated(ckpt.spec.activation),
         })
     }

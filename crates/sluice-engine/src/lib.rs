@@ -6,6 +6,7 @@ pub mod batch;
 pub mod blocks;
 pub mod families;
 pub mod memory;
+pub mod mla;
 pub mod model;
 pub mod moe;
 pub mod pilot;

@@ -17,7 +17,7 @@ use sluice_formats::Checkpoint;
 use crate::backend::{Backend, Cpu};
 use crate::batch::Batch;
 use crate::blocks::{Cx, check_tokens};
-use crate::families::{Network, gemma3::Gemma3, gemma4::Gemma4, gpt_oss::GptOss, llama::Llama};
+use crate::families::{Network, deepseek::DeepSeek, gemma3::Gemma3, gemma4::Gemma4, gpt_oss::GptOss, llama::Llama};
 use crate::pilot::{Pilot, PilotStats};
 use crate::state::{SeqState, StateSpec};
 use crate::stats::Timers;
@@ -135,6 +135,7 @@ impl<B: Backend> Model<B> {
             Family::Gemma => Box::new(Gemma3::load(&be, ckpt)?),
             Family::Llama => Box::new(Llama::load(&be, ckpt)?),
             Family::GptOss => Box::new(GptOss::load(&be, ckpt)?),
+            Family::DeepSeek => Box::new(DeepSeek::load(&be, ckpt)?),
         };
         let store =
             ExpertStore::open(ckpt, &opts.store, progress.as_mut().map(|p| &mut **p as &mut dyn FnMut(u64, u64)))?;

@@ -52,7 +52,7 @@ impl<B: Backend> Moe<B> {
                 n_experts: m.n_experts,
                 top_k: m.top_k,
                 logit_bias: vector(TensorKind::RouterBias)?,
-                choice_bias: None,
+                choice_bias: vector(TensorKind::RouterChoiceBias)?,
                 expert_scale,
             },
             ffn: ExpertFfn { glu: m.glu, bias: if m.expert_bias { Some(expert_bias(be, ckpt, layer)?) } else { None } },

@@ -109,7 +109,7 @@ impl<B: Backend> SeqState<B> {
     /// The KV cache layer `layer` attends over (its own, or the one it shares).
     pub fn kv(&self, layer: usize) -> Result<&B::Kv> {
         match &self.layers[layer] {
-            LayerState::Kv(c) => Ok(c),
+            LayerState::Kv(c) | LayerState::Latent(c) => Ok(c),
             LayerState::SharedKv(src) => self.kv(*src),
             _ => Err(Error::Unsupported(format!("layer {layer} keeps no KV cache"))),
         }
@@ -117,7 +117,7 @@ impl<B: Backend> SeqState<B> {
 
     pub(crate) fn kv_mut(&mut self, layer: usize) -> Option<&mut B::Kv> {
         match &mut self.layers[layer] {
-            LayerState::Kv(c) => Some(c),
+            LayerState::Kv(c) | LayerState::Latent(c) => Some(c),
             _ => None,
         }
     }

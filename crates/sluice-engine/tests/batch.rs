@@ -181,6 +181,12 @@ fn llama() {
     check_fixture("llama");
 }
 
+/// The latent cache, the dense layer and the shared experts, in every residency.
+#[test]
+fn deepseek_v3() {
+    check_fixture("deepseek-v3");
+}
+
 /// Sinks with a window shorter than the sequences, through every residency (the GGUF
 /// form streams; see identity.rs for the folder).
 #[test]

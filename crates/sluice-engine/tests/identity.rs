@@ -130,3 +130,13 @@ fn gpt_oss_folders_equal_their_ggufs() {
         }
     }
 }
+
+#[test]
+fn deepseek_v3() {
+    check("deepseek-v3");
+}
+
+#[test]
+fn deepseek_v3_gguf() {
+    check_file("deepseek-v3", &fixture("deepseek-v3/deepseek-v3.gguf"));
+}

@@ -129,3 +129,18 @@ fn gpt_oss_mxfp4() {
 fn gpt_oss_mxfp4_gguf_from_llama_cpps_converter() {
     check_file("gpt-oss-mxfp4", &fixtures().join("gpt-oss-mxfp4/gpt-oss-mxfp4.gguf"));
 }
+
+/// Multi-head latent attention with a query bottleneck and YaRN, computed in the
+/// absorbed form; dense first layer; sigmoid routing in groups (the limit changes 13
+/// of the fixture's choices) with a correction bias and a shared expert.
+#[test]
+fn deepseek_v3() {
+    check("deepseek-v3");
+}
+
+/// llama.cpp's conversion: the latent up-projection already split per head
+/// (`attn_k_b`, `attn_v_b`), the scale from `yarn_log_multiplier`.
+#[test]
+fn deepseek_v3_gguf_from_llama_cpps_converter() {
+    check_file("deepseek-v3", &fixtures().join("deepseek-v3/deepseek-v3.gguf"));
+}

@@ -75,7 +75,10 @@ impl Checkpoint {
     pub fn open_gguf(path: &Path) -> Result<Checkpoint> {
         let file = GgufFile::open(path)?;
         let spec = gguf_config::read(&file)?;
-        let tensors = file.tensors().iter().map(|t| (t.name.clone(), t.clone())).collect();
+        let mut tensors = file.tensors().iter().map(|t| (t.name.clone(), t.clone())).collect();
+        if spec.family == Family::DeepSeek {
+            crate::deepseek::split_kv_b(path, &spec, &mut tensors, gguf_name)?;
+        }
         Ok(Checkpoint { path: path.to_path_buf(), spec, source: Source::Gguf(file), tensors, packed: None })
     }
 
@@ -98,8 +101,12 @@ impl Checkpoint {
             })?
             .to_string();
         spec.weight_dtype = tensors.get(&format!("{prefix}embed_tokens.weight")).map(|t| t.dtype);
-        if spec.family == Family::GptOss {
-            crate::gpt_oss::rearrange(path, &prefix, &spec, &mut tensors, &mut bytes)?;
+        match spec.family {
+            Family::GptOss => crate::gpt_oss::rearrange(path, &prefix, &spec, &mut tensors, &mut bytes)?,
+            Family::DeepSeek => {
+                crate::deepseek::split_kv_b(path, &spec, &mut tensors, |id| hf_name(Family::DeepSeek, &prefix, id))?
+            }
+            _ => {}
         }
         // Byte tensors are read only as the parts of a format above.
         if let Some(t) = bytes.values().min_by(|a, b| a.name.cmp(&b.name)) {

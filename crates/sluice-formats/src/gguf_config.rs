@@ -19,14 +19,14 @@
 use std::collections::HashMap;
 
 use sluice_core::{
-    Activation, AttentionSpec, DType, Error, Family, Glu, LayerSpec, ModelSpec, MoeSpec, PleSpec, Result, RopeScaling,
-    RopeSpec, RopeStyle, RouterKind,
+    Activation, AttentionSpec, DType, Error, Family, Glu, LayerSpec, MlaSpec, ModelSpec, MoeSpec, PleSpec, Result,
+    RopeScaling, RopeSpec, RopeStyle, RouterKind,
 };
 
 use crate::gguf::{GgufFile, GgufValue};
 use crate::names::{TensorId, TensorKind, gguf_name};
 
-pub const SUPPORTED: &str = "gemma3, gemma4, gpt-oss, llama, qwen2, qwen3, qwen3moe";
+pub const SUPPORTED: &str = "deepseek2, gemma3, gemma4, gpt-oss, llama, qwen2, qwen3, qwen3moe";
 
 /// A frequency divisor at least this large leaves its rotary pair unrotated.
 const UNROTATED_FREQ_FACTOR: f32 = 1e20;
@@ -203,15 +203,21 @@ impl<'a> Meta<'a> {
         }
         // gpt-oss's softmax over the chosen logits is the architecture's own, whatever
         // this key says (llama.cpp sets it in code).
-        if let Some(f) = self.g.get_u64(&self.key("expert_gating_func"))?
-            && f != 1
-            && router != RouterKind::TopKSoftmax
-        {
-            return Err(
-                self.err(format!("'{}' = {f}: only softmax gating (1) is supported", self.key("expert_gating_func")))
-            );
+        let sigmoid = matches!(router, RouterKind::SigmoidGroupLimited { .. });
+        let gating = self.g.get_u64(&self.key("expert_gating_func"))?;
+        match (gating, sigmoid) {
+            // DeepSeek-V3's sigmoid scores (2); llama.cpp reads a missing key as
+            // DeepSeek-V2's softmax, which sluice does not compute.
+            (Some(2), true) | (Some(1) | None, false) => {}
+            _ if router == RouterKind::TopKSoftmax => {}
+            (f, _) => {
+                let key = self.key("expert_gating_func");
+                let want = if sigmoid { "sigmoid gating (2), as DeepSeek-V3's" } else { "softmax gating (1)" };
+                return Err(self.err(format!("'{key}' = {f:?}: only {want} is supported")));
+            }
         }
-        if let Some(s) = self.f32_opt("expert_weights_scale")?
+        if !sigmoid
+            && let Some(s) = self.f32_opt("expert_weights_scale")?
             && s != 0.0
             && s != 1.0
         {
@@ -241,7 +247,7 @@ impl<'a> Meta<'a> {
             other => other,
         };
         let expert_bias = self.has(TensorId::layer(layer, TensorKind::ExpsDownBias));
-        Ok(Some(MoeSpec { n_experts, top_k, intermediate, router, glu, expert_bias }))
+        Ok(Some(MoeSpec { n_experts, top_k, intermediate, router, glu, expert_bias, shared: None }))
     }
 }
 
@@ -262,6 +268,7 @@ pub fn read(g: &GgufFile) -> Result<ModelSpec> {
         "llama" | "qwen2" | "qwen3" | "qwen3moe" => llama_like(&m)?,
         "gemma3" | "gemma4" => gemma(&m)?,
         "gpt-oss" => gpt_oss(&m)?,
+        "deepseek2" => deepseek2(&m)?,
         other => {
             return Err(Error::UnknownArchitecture {
                 path: g.path().to_path_buf(),
@@ -411,6 +418,7 @@ fn llama_like(m: &Meta) -> Result<ModelSpec> {
                 o_bias: false,
                 sinks: false,
                 kv_source: None,
+                mla: None,
             },
             mlp: (!is_moe[i]).then_some(ffn[i]),
             moe: if is_moe[i] { moe.clone() } else { None },
@@ -420,6 +428,153 @@ fn llama_like(m: &Meta) -> Result<ModelSpec> {
     Ok(ModelSpec {
         family: Family::Llama,
         arch: arch.to_string(),
+        vocab_size: b.vocab,
+        hidden_size: b.hidden,
+        rms_norm_eps: b.eps,
+        activation: Activation::Silu,
+        embed_scale: 1.0,
+        norm_weight_offset: 0.0,
+        final_logit_softcap: None,
+        tie_word_embeddings: !m.has(TensorId::model(TensorKind::Output)),
+        max_context: b.max_context,
+        layers,
+        ple: None,
+        bos_token_id: bos,
+        eos_token_ids: eos,
+        weight_dtype: None,
+    })
+}
+
+/// YaRN's magnitude correction `0.1 m ln s + 1` (1 for no extension).
+fn yarn_mscale(scale: f32, m: f32) -> f32 {
+    if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 }
+}
+
+/// DeepSeek-V3 as llama.cpp's converter writes it (`deepseek2`): the attention's
+/// per-head dims in `attention.key_length_mla` / `value_length_mla` (`key_length` /
+/// `value_length` are then the latent's; older files have only those, per head),
+/// the bottlenecks in `attention.q_lora_rank` / `kv_lora_rank`, the RoPE part in
+/// `rope.dimension_count` (adjacent pairs); `leading_dense_block_count` dense layers,
+/// then sigmoid routing in groups with the correction bias `exp_probs_b` and
+/// `expert_shared_count` shared experts. The scale and RoPE are transformers': the
+/// latents' norms take eps 1e-6 as its `DeepseekV3RMSNorm(dim)` does, and YaRN's
+/// `yarn_log_multiplier` (0.1 mscale_all_dim) squares into the softmax scale.
+fn deepseek2(m: &Meta) -> Result<ModelSpec> {
+    let b = base(m)?;
+    let kv_lora_rank = m.usize("attention.kv_lora_rank")?;
+    let q_lora_rank = m.usize_opt("attention.q_lora_rank")?.filter(|&r| r > 0);
+    let rope_dim = m.usize("rope.dimension_count")?;
+    let (k_len, v_len) = match (m.usize_opt("attention.key_length_mla")?, m.usize_opt("attention.value_length_mla")?) {
+        (Some(k), Some(v)) => (k, v),
+        _ => (m.usize("attention.key_length")?, m.usize("attention.value_length")?),
+    };
+    if kv_lora_rank == 0 || rope_dim == 0 || !rope_dim.is_multiple_of(2) || k_len <= rope_dim || v_len == 0 {
+        return Err(m.err(format!(
+            "multi-head latent attention needs a positive kv_lora_rank ({kv_lora_rank}), an even RoPE width \
+             ({rope_dim}) below the key length ({k_len}), and a positive value length ({v_len})"
+        )));
+    }
+    let theta = m.f32_opt("rope.freq_base")?.unwrap_or(10_000.0);
+    let log_mul = m.f32_opt("rope.scaling.yarn_log_multiplier")?.filter(|&x| x != 0.0);
+    let mut scale = (k_len as f32).powf(-0.5);
+    let scaling = match m.g.get_str(&m.key("rope.scaling.type"))? {
+        Some("yarn") => {
+            let factor = m.f32_opt("rope.scaling.factor")?.unwrap_or(1.0);
+            if let Some(lm) = log_mul {
+                scale *= yarn_mscale(factor, lm / 0.1).powi(2);
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position: m.usize("rope.scaling.original_context_length")? as f32,
+                beta_fast: m.f32_opt("rope.scaling.yarn_beta_fast")?.filter(|&x| x != 0.0).unwrap_or(32.0),
+                beta_slow: m.f32_opt("rope.scaling.yarn_beta_slow")?.filter(|&x| x != 0.0).unwrap_or(1.0),
+                // With the log multiplier the cos/sin factor is mscale over itself, 1
+                // (llama.cpp's reading, for mscale equal to mscale_all_dim).
+                attention_factor: m.f32_opt("rope.scaling.yarn_attn_factor")?.or(log_mul.map(|_| 1.0)),
+                truncate: true,
+            }
+        }
+        None | Some("none") => RopeScaling::None,
+        Some(other) => {
+            return Err(m.err(format!(
+                "RoPE scaling type '{other}' ('{}') is not supported for deepseek2 (yarn, none)",
+                m.key("rope.scaling.type")
+            )));
+        }
+    };
+    let rope = m.rope(RopeStyle::Interleaved, theta, rope_dim, rope_dim, &scaling, None)?;
+    let dense = m.usize_opt("leading_dense_block_count")?.unwrap_or(0).min(b.n_layers);
+    let n_groups = m.usize_opt("expert_group_count")?.unwrap_or(1).max(1);
+    let topk_groups = m.usize_opt("expert_group_used_count")?.unwrap_or(n_groups);
+    let experts = Experts {
+        router: RouterKind::SigmoidGroupLimited {
+            n_groups,
+            topk_groups,
+            normalize_top_k: m.bool_opt("expert_weights_norm")?.unwrap_or(false),
+            scaling: m.f32_opt("expert_weights_scale")?.filter(|&s| s != 0.0).unwrap_or(1.0),
+        },
+        glu: Glu::Gated(Activation::Silu),
+    };
+    let moe = match m.moe(experts, (dense < b.n_layers).then_some(dense))? {
+        Some(mut moe) => {
+            let n = moe.n_experts;
+            if !n.is_multiple_of(n_groups) || n / n_groups < 2 || topk_groups == 0 || topk_groups > n_groups {
+                return Err(m.err(format!(
+                    "{n} experts in {n_groups} groups ('{}'), {topk_groups} used: the groups must be equal, of at \
+                     least two experts, and the used ones between 1 and the groups",
+                    m.key("expert_group_count")
+                )));
+            }
+            moe.shared = match m.usize_opt("expert_shared_count")?.unwrap_or(0) {
+                0 => None,
+                s => Some(s * moe.intermediate),
+            };
+            Some(moe)
+        }
+        None => None,
+    };
+    let ffn = m.usize_opt("feed_forward_length")?;
+    let layers = (0..b.n_layers)
+        .map(|i| {
+            let mla = MlaSpec {
+                q_lora_rank,
+                kv_lora_rank,
+                nope_dim: k_len - rope_dim,
+                rope_dim,
+                v_dim: v_len,
+                latent_eps: 1e-6,
+            };
+            let mlp = if i < dense {
+                Some(ffn.ok_or_else(|| m.err(format!("metadata key '{}' is missing", m.key("feed_forward_length"))))?)
+            } else {
+                None
+            };
+            Ok(LayerSpec {
+                attention: AttentionSpec {
+                    n_heads: b.n_heads[i],
+                    n_kv_heads: 1,
+                    head_dim: kv_lora_rank + rope_dim,
+                    window: None,
+                    rope: rope.clone(),
+                    scale,
+                    qk_norm: false,
+                    v_norm: false,
+                    k_eq_v: false,
+                    qkv_bias: false,
+                    o_bias: false,
+                    sinks: false,
+                    kv_source: None,
+                    mla: Some(mla),
+                },
+                mlp,
+                moe: if i < dense { None } else { moe.clone() },
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (bos, eos) = token_ids(m.g)?;
+    Ok(ModelSpec {
+        family: Family::DeepSeek,
+        arch: m.arch.to_string(),
         vocab_size: b.vocab,
         hidden_size: b.hidden,
         rms_norm_eps: b.eps,
@@ -490,6 +645,7 @@ fn gpt_oss(m: &Meta) -> Result<ModelSpec> {
                 o_bias: m.has(TensorId::layer(i, TensorKind::AttnOutBias)),
                 sinks: true,
                 kv_source: None,
+                mla: None,
             },
             mlp: None,
             moe: Some(moe.clone()),
@@ -609,6 +765,7 @@ fn gemma(m: &Meta) -> Result<ModelSpec> {
                 o_bias: false,
                 sinks: false,
                 kv_source,
+                mla: None,
             },
             mlp: Some(ffn[i]),
             moe: if is_moe[i] { moe.clone() } else { None },

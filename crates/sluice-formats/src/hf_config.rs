@@ -8,11 +8,12 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 use sluice_core::{
-    Activation, AttentionSpec, Error, Family, Glu, LayerSpec, ModelSpec, MoeSpec, PleSpec, Result, RopeScaling,
-    RopeSpec, RopeStyle, RouterKind,
+    Activation, AttentionSpec, Error, Family, Glu, LayerSpec, MlaSpec, ModelSpec, MoeSpec, PleSpec, Result,
+    RopeScaling, RopeSpec, RopeStyle, RouterKind,
 };
 
-pub const SUPPORTED: &str = "gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen2, qwen3, qwen3_moe";
+pub const SUPPORTED: &str =
+    "deepseek_v3, gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen2, qwen3, qwen3_moe";
 
 /// A JSON object with the file it came from, for errors that name both.
 #[derive(Clone, Copy)]
@@ -112,6 +113,7 @@ pub fn read(dir: &Path) -> Result<HfConfig> {
         "gemma3" | "gemma3_text" => gemma3(&cfg, &top)?,
         "llama" | "qwen2" | "qwen3" | "qwen3_moe" => llama_like(&cfg, &model_type)?,
         "gpt_oss" => gpt_oss(&cfg)?,
+        "deepseek_v3" => deepseek_v3(&cfg)?,
         _ => {
             return Err(Error::UnknownArchitecture {
                 path,
@@ -226,6 +228,7 @@ fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
                 router: RouterKind::Softmax { normalize_top_k: cfg.bool_opt("norm_topk_prob")?.unwrap_or(false) },
                 glu: Glu::Gated(activation(cfg, "hidden_act", Activation::Silu)?),
                 expert_bias: false,
+                shared: None,
             },
             cfg.usize_opt("decoder_sparse_step")?.unwrap_or(1).max(1),
             cfg.ids("mlp_only_layers")?,
@@ -253,6 +256,7 @@ fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
                     o_bias: false,
                     sinks: false,
                     kv_source: None,
+                    mla: None,
                 },
                 mlp: if sparse.is_some() { None } else { Some(intermediate) },
                 moe: sparse.map(|(m, _, _)| m.clone()),
@@ -350,6 +354,7 @@ fn gpt_oss(cfg: &Cfg) -> Result<ModelSpec> {
             limit: cfg.f32_opt("swiglu_limit")?.unwrap_or(7.0),
         },
         expert_bias: true,
+        shared: None,
     };
     let layers = sliding
         .iter()
@@ -368,6 +373,7 @@ fn gpt_oss(cfg: &Cfg) -> Result<ModelSpec> {
                 o_bias: bias,
                 sinks: true,
                 kv_source: None,
+                mla: None,
             },
             mlp: None,
             moe: Some(moe.clone()),
@@ -385,6 +391,148 @@ fn gpt_oss(cfg: &Cfg) -> Result<ModelSpec> {
         final_logit_softcap: None,
         tie_word_embeddings: cfg.bool_opt("tie_word_embeddings")?.unwrap_or(false),
         max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(131_072),
+        layers,
+        ple: None,
+        bos_token_id: cfg.ids("bos_token_id")?.first().copied(),
+        eos_token_ids: cfg.ids("eos_token_id")?,
+        weight_dtype: None,
+    })
+}
+
+/// YaRN's magnitude correction `0.1 m ln s + 1` (1 for no extension).
+fn yarn_mscale(scale: f32, m: f32) -> f32 {
+    if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 }
+}
+
+/// DeepSeek-V3, as `DeepseekV3Config` reads it: multi-head latent attention on every
+/// layer (the query through a `q_lora_rank` bottleneck unless it is null), dense MLPs
+/// on the first `first_k_dense_replace` layers, then sigmoid-routed experts in groups
+/// beside `n_shared_experts` shared ones. `head_dim` in a saved config is the RoPE
+/// width, not an attention head's.
+fn deepseek_v3(cfg: &Cfg) -> Result<ModelSpec> {
+    let hidden = cfg.usize("hidden_size")?;
+    let n_layers = cfg.usize("num_hidden_layers")?;
+    let n_heads = cfg.usize_opt("num_attention_heads")?.unwrap_or(128);
+    let positive = |key: &str, default: usize| -> Result<usize> {
+        let v = cfg.usize_opt(key)?.unwrap_or(default);
+        if v == 0 {
+            return Err(cfg.err(format!("'{key}' must be positive for multi-head latent attention")));
+        }
+        Ok(v)
+    };
+    let kv_lora_rank = positive("kv_lora_rank", 512)?;
+    let q_lora_rank = match cfg.get("q_lora_rank") {
+        Some(Value::Null) => None,
+        None => Some(1536),
+        Some(_) => Some(positive("q_lora_rank", 1536)?),
+    };
+    let (nope_dim, rope_dim, v_dim) =
+        (positive("qk_nope_head_dim", 128)?, positive("qk_rope_head_dim", 64)?, positive("v_head_dim", 128)?);
+    if n_heads == 0 || rope_dim % 2 != 0 {
+        return Err(
+            cfg.err(format!("num_attention_heads ({n_heads}) must be positive and qk_rope_head_dim ({rope_dim}) even"))
+        );
+    }
+    let rope_cfg = cfg.sub("rope_parameters")?;
+    let (theta, mut scaling) = rope_params(cfg, rope_cfg.as_ref(), 10000.0)?;
+    let rope_obj = match rope_cfg {
+        Some(r) => Some(r),
+        None => cfg.sub("rope_scaling")?,
+    };
+    // The softmax scale over the per-head dims, times YaRN's mscale(factor,
+    // mscale_all_dim)^2; the cos/sin factor mscale(factor, mscale) / mscale(factor,
+    // mscale_all_dim) when both are given.
+    let mut scale = ((nope_dim + rope_dim) as f32).powf(-0.5);
+    if let (RopeScaling::Yarn { factor, attention_factor, .. }, Some(r)) = (&mut scaling, &rope_obj) {
+        let (m, m_all) = (r.f32_opt("mscale")?, r.f32_opt("mscale_all_dim")?.filter(|&m| m != 0.0));
+        if let Some(m_all) = m_all {
+            scale *= yarn_mscale(*factor, m_all).powi(2);
+        }
+        if let (None, Some(m), Some(m_all)) = (*attention_factor, m.filter(|&m| m != 0.0), m_all) {
+            *attention_factor = Some(yarn_mscale(*factor, m) / yarn_mscale(*factor, m_all));
+        }
+    }
+    let style = if cfg.bool_opt("rope_interleave")?.unwrap_or(true) { RopeStyle::Interleaved } else { RopeStyle::Half };
+    let rope = RopeSpec::new(style, theta, rope_dim, rope_dim, &scaling);
+    let n_experts = match cfg.usize_opt("n_routed_experts")? {
+        Some(n) => n,
+        None => cfg.usize_opt("num_local_experts")?.unwrap_or(256),
+    };
+    let top_k = cfg.usize_opt("num_experts_per_tok")?.unwrap_or(8);
+    let (n_groups, topk_groups) = (cfg.usize_opt("n_group")?.unwrap_or(8), cfg.usize_opt("topk_group")?.unwrap_or(4));
+    if top_k == 0 || top_k > n_experts || n_groups == 0 || n_experts % n_groups != 0 || n_experts / n_groups < 2 {
+        return Err(cfg.err(format!(
+            "{n_experts} routed experts in {n_groups} groups, top-{top_k}: the groups must be equal, of at least two \
+             experts, and top-k between 1 and the experts"
+        )));
+    }
+    if topk_groups == 0 || topk_groups > n_groups || topk_groups * (n_experts / n_groups) < top_k {
+        return Err(cfg.err(format!(
+            "topk_group ({topk_groups}) must be between 1 and n_group ({n_groups}) and hold top-{top_k} experts"
+        )));
+    }
+    if cfg.str_opt("scoring_func")?.is_some_and(|f| f != "sigmoid") {
+        return Err(cfg.err("scoring_func: only 'sigmoid' (DeepSeek-V3) is supported".into()));
+    }
+    let moe_i = cfg.usize_opt("moe_intermediate_size")?.unwrap_or(2048);
+    let moe = MoeSpec {
+        n_experts,
+        top_k,
+        intermediate: moe_i,
+        router: RouterKind::SigmoidGroupLimited {
+            n_groups,
+            topk_groups,
+            normalize_top_k: cfg.bool_opt("norm_topk_prob")?.unwrap_or(true),
+            scaling: cfg.f32_opt("routed_scaling_factor")?.unwrap_or(2.5),
+        },
+        glu: Glu::Gated(activation(cfg, "hidden_act", Activation::Silu)?),
+        expert_bias: false,
+        shared: match cfg.usize_opt("n_shared_experts")?.unwrap_or(1) {
+            0 => None,
+            n => Some(n * moe_i),
+        },
+    };
+    let dense = cfg.usize_opt("first_k_dense_replace")?.unwrap_or(3);
+    let intermediate = cfg.usize_opt("intermediate_size")?.unwrap_or(18432);
+    let mla = MlaSpec { q_lora_rank, kv_lora_rank, nope_dim, rope_dim, v_dim, latent_eps: 1e-6 };
+    let attention = AttentionSpec {
+        n_heads,
+        n_kv_heads: 1,
+        head_dim: kv_lora_rank + rope_dim,
+        window: None,
+        rope,
+        scale,
+        qk_norm: false,
+        v_norm: false,
+        k_eq_v: false,
+        qkv_bias: false,
+        o_bias: false,
+        sinks: false,
+        kv_source: None,
+        mla: Some(mla),
+    };
+    if cfg.bool_opt("attention_bias")?.unwrap_or(false) {
+        return Err(cfg.err("attention_bias = true is not supported for DeepSeek-V3".into()));
+    }
+    let layers = (0..n_layers)
+        .map(|i| LayerSpec {
+            attention: attention.clone(),
+            mlp: (i < dense).then_some(intermediate),
+            moe: (i >= dense).then(|| moe.clone()),
+        })
+        .collect();
+    Ok(ModelSpec {
+        family: Family::DeepSeek,
+        arch: "deepseek_v3".into(),
+        vocab_size: cfg.usize("vocab_size")?,
+        hidden_size: hidden,
+        rms_norm_eps: cfg.f32_opt("rms_norm_eps")?.unwrap_or(1e-6),
+        activation: activation(cfg, "hidden_act", Activation::Silu)?,
+        embed_scale: 1.0,
+        norm_weight_offset: 0.0,
+        final_logit_softcap: None,
+        tie_word_embeddings: cfg.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+        max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(4096),
         layers,
         ple: None,
         bos_token_id: cfg.ids("bos_token_id")?.first().copied(),
@@ -504,6 +652,7 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
             router: RouterKind::Gemma4,
             glu: Glu::Gated(activation(cfg, "hidden_activation", Activation::GeluTanh)?),
             expert_bias: false,
+            shared: None,
         })
     } else {
         None
@@ -540,6 +689,7 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
                 o_bias: false,
                 sinks: false,
                 kv_source,
+                mla: None,
             },
             mlp: Some(intermediate * if double_wide && shared { 2 } else { 1 }),
             moe: moe.clone(),
@@ -644,6 +794,7 @@ fn gemma3(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
                     o_bias: false,
                     sinks: false,
                     kv_source: None,
+                    mla: None,
                 },
                 mlp: Some(intermediate),
                 moe: None,

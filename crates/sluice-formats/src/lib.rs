@@ -4,6 +4,7 @@
 //! with a real model's geometry.
 
 pub mod checkpoint;
+mod deepseek;
 pub mod gguf;
 pub mod gguf_config;
 pub mod gguf_write;

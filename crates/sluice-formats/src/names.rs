@@ -31,6 +31,22 @@ pub enum TensorKind {
     AttnQNorm,
     AttnKNorm,
     AttnPostNorm,
+    // Multi-head latent attention (DeepSeek).
+    /// The queries' bottleneck `[q_lora_rank, hidden]`, its norm, and the up-projection
+    /// `[heads * (nope + rope), q_lora_rank]`.
+    AttnQA,
+    AttnQANorm,
+    AttnQB,
+    /// `[kv_lora_rank + rope, hidden]`: the latent and the shared RoPE key.
+    AttnKvAMqa,
+    AttnKvANorm,
+    /// The latent's up-projection `[heads * (nope + v), kv_lora_rank]` (Hugging Face and
+    /// older GGUFs), or its two halves per head: `AttnKB [heads, kv_lora_rank, nope]`
+    /// (each head's key half, transposed, to absorb into the query) and `AttnVB
+    /// [heads, v, kv_lora_rank]`.
+    AttnKvB,
+    AttnKB,
+    AttnVB,
     // Feed-forward.
     FfnNorm,
     FfnGate,
@@ -48,6 +64,13 @@ pub enum TensorKind {
     RouterBias,
     RouterScale,
     RouterExpertScale,
+    /// Added to the router's scores only to choose experts (DeepSeek-V3's
+    /// `e_score_correction_bias`).
+    RouterChoiceBias,
+    /// The shared experts as one MLP (DeepSeek).
+    ShexpGate,
+    ShexpUp,
+    ShexpDown,
     /// Experts fused in one 3-D tensor `[E, 2I, H]` (gate rows, then up rows).
     ExpsGateUp,
     ExpsGate,
@@ -116,6 +139,15 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
         AttnSinks => "self_attn.sinks".into(),
         AttnQNorm => "self_attn.q_norm.weight".into(),
         AttnKNorm => "self_attn.k_norm.weight".into(),
+        AttnQA => "self_attn.q_a_proj.weight".into(),
+        AttnQANorm => "self_attn.q_a_layernorm.weight".into(),
+        AttnQB => "self_attn.q_b_proj.weight".into(),
+        AttnKvAMqa => "self_attn.kv_a_proj_with_mqa.weight".into(),
+        AttnKvANorm => "self_attn.kv_a_layernorm.weight".into(),
+        AttnKvB => "self_attn.kv_b_proj.weight".into(),
+        // Not in a Hugging Face folder: `Checkpoint` splits kv_b_proj into these.
+        AttnKB => "self_attn.kv_b_proj.k_b".into(),
+        AttnVB => "self_attn.kv_b_proj.v_b".into(),
         // Llama's "post_attention_layernorm" is the norm before the MLP.
         AttnPostNorm => "post_attention_layernorm.weight".into(),
         FfnNorm if gemma => "pre_feedforward_layernorm.weight".into(),
@@ -135,6 +167,10 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
         RouterBias => "mlp.gate.bias".into(),
         RouterScale => "router.scale".into(),
         RouterExpertScale => "router.per_expert_scale".into(),
+        RouterChoiceBias => "mlp.gate.e_score_correction_bias".into(),
+        ShexpGate => "mlp.shared_experts.gate_proj.weight".into(),
+        ShexpUp => "mlp.shared_experts.up_proj.weight".into(),
+        ShexpDown => "mlp.shared_experts.down_proj.weight".into(),
         ExpsGateUp => format!("{moe}experts.gate_up_proj"),
         ExpsGate => format!("{moe}experts.gate_proj"),
         ExpsUp => format!("{moe}experts.up_proj"),
@@ -187,6 +223,14 @@ pub fn gguf_name(id: TensorId) -> String {
         AttnQNorm => "attn_q_norm.weight".into(),
         AttnKNorm => "attn_k_norm.weight".into(),
         AttnPostNorm => "post_attention_norm.weight".into(),
+        AttnQA => "attn_q_a.weight".into(),
+        AttnQANorm => "attn_q_a_norm.weight".into(),
+        AttnQB => "attn_q_b.weight".into(),
+        AttnKvAMqa => "attn_kv_a_mqa.weight".into(),
+        AttnKvANorm => "attn_kv_a_norm.weight".into(),
+        AttnKvB => "attn_kv_b.weight".into(),
+        AttnKB => "attn_k_b.weight".into(),
+        AttnVB => "attn_v_b.weight".into(),
         // Both Llama's post-attention norm and Gemma's pre-feedforward norm.
         FfnNorm => "ffn_norm.weight".into(),
         FfnGate => "ffn_gate.weight".into(),
@@ -202,6 +246,10 @@ pub fn gguf_name(id: TensorId) -> String {
         // `.scale` companions of the router and of the down experts.
         RouterScale => "ffn_gate_inp.scale".into(),
         RouterExpertScale => "ffn_down_exps.scale".into(),
+        RouterChoiceBias => "exp_probs_b.bias".into(),
+        ShexpGate => "ffn_gate_shexp.weight".into(),
+        ShexpUp => "ffn_up_shexp.weight".into(),
+        ShexpDown => "ffn_down_shexp.weight".into(),
         ExpsGateUp => "ffn_gate_up_exps.weight".into(),
         ExpsGate => "ffn_gate_exps.weight".into(),
         ExpsUp => "ffn_up_exps.weight".into(),

@@ -66,6 +66,25 @@ pub enum Arch {
     /// projections, the router and the experts, attention sinks, YaRN RoPE, no q/k
     /// norms; the experts in MXFP4 (their native format) whatever `--quant` says.
     GptOss,
+    /// `deepseek2` (DeepSeek-V3): multi-head latent attention, dense first layers,
+    /// sigmoid routing in groups with a correction bias beside shared experts.
+    DeepSeek2(SynthMla),
+}
+
+/// A DeepSeek geometry's attention and routing shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SynthMla {
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub nope_dim: usize,
+    pub rope_dim: usize,
+    pub v_dim: usize,
+    /// The first layers, with a dense MLP of `dense_ffn` instead of experts.
+    pub dense_layers: usize,
+    pub n_groups: usize,
+    pub topk_groups: usize,
+    /// Shared experts, each of the routed experts' width.
+    pub shared: usize,
 }
 
 /// gpt-oss's sliding window (its config's `sliding_window`).
@@ -188,6 +207,67 @@ impl Geometry {
                 context: 131072,
                 rope_theta: 150000.0,
                 rms_eps: 1e-5,
+                softcap: None,
+                interleaved: None,
+            },
+            // deepseek-ai/DeepSeek-V3 config.json (671B).
+            Geometry {
+                name: "deepseek-v3",
+                arch: Arch::DeepSeek2(SynthMla {
+                    q_lora_rank: 1536,
+                    kv_lora_rank: 512,
+                    nope_dim: 128,
+                    rope_dim: 64,
+                    v_dim: 128,
+                    dense_layers: 3,
+                    n_groups: 8,
+                    topk_groups: 4,
+                    shared: 1,
+                }),
+                n_layers: 61,
+                full_layers: 61,
+                hidden: 7168,
+                n_heads: 128,
+                n_kv_heads: 1,
+                head_dim: 576,
+                n_experts: 256,
+                top_k: 8,
+                expert_ffn: 2048,
+                dense_ffn: 18432,
+                vocab: 129280,
+                context: 163840,
+                rope_theta: 10000.0,
+                rms_eps: 1e-6,
+                softcap: None,
+                interleaved: None,
+            },
+            Geometry {
+                name: "tiny-deepseek",
+                arch: Arch::DeepSeek2(SynthMla {
+                    q_lora_rank: 64,
+                    kv_lora_rank: 64,
+                    nope_dim: 32,
+                    rope_dim: 32,
+                    v_dim: 32,
+                    dense_layers: 1,
+                    n_groups: 4,
+                    topk_groups: 2,
+                    shared: 1,
+                }),
+                n_layers: 4,
+                full_layers: 4,
+                hidden: 256,
+                n_heads: 4,
+                n_kv_heads: 1,
+                head_dim: 96,
+                n_experts: 16,
+                top_k: 4,
+                expert_ffn: 128,
+                dense_ffn: 256,
+                vocab: 512,
+                context: 4096,
+                rope_theta: 10000.0,
+                rms_eps: 1e-6,
                 softcap: None,
                 interleaved: None,
             },
@@ -650,6 +730,7 @@ fn metadata(o: &SynthOptions) -> Vec<(String, GgufValue)> {
         Arch::Qwen3Moe => "qwen3moe",
         Arch::Gemma4 => "gemma4",
         Arch::GptOss => "gpt-oss",
+        Arch::DeepSeek2(_) => "deepseek2",
     };
     let key = |k: &str| format!("{a}.{k}");
     put("general.architecture", GgufValue::String(a.into()));
@@ -660,14 +741,40 @@ fn metadata(o: &SynthOptions) -> Vec<(String, GgufValue)> {
     put(&key("embedding_length"), u32v(g.hidden));
     put(&key("feed_forward_length"), u32v(g.dense_ffn));
     put(&key("attention.head_count"), u32v(g.n_heads));
-    match g.interleaved {
-        None => {
+    match (g.interleaved, g.arch) {
+        (None, Arch::DeepSeek2(m)) => {
+            // As llama.cpp's converter writes DeepSeek-V3: one latent KV head,
+            // `key_length` / `value_length` the latent's, the heads' own in `*_mla`.
+            put(&key("attention.head_count_kv"), u32v(1));
+            put(&key("rope.freq_base"), GgufValue::F32(g.rope_theta));
+            put(&key("attention.key_length"), u32v(m.kv_lora_rank + m.rope_dim));
+            put(&key("attention.value_length"), u32v(m.kv_lora_rank));
+            put(&key("attention.key_length_mla"), u32v(m.nope_dim + m.rope_dim));
+            put(&key("attention.value_length_mla"), u32v(m.v_dim));
+            put(&key("attention.q_lora_rank"), u32v(m.q_lora_rank));
+            put(&key("attention.kv_lora_rank"), u32v(m.kv_lora_rank));
+            put(&key("rope.dimension_count"), u32v(m.rope_dim));
+            put(&key("leading_dense_block_count"), u32v(m.dense_layers));
+            put(&key("expert_shared_count"), u32v(m.shared));
+            put(&key("expert_group_count"), u32v(m.n_groups));
+            put(&key("expert_group_used_count"), u32v(m.topk_groups));
+            put(&key("expert_gating_func"), u32v(2));
+            put(&key("expert_weights_scale"), GgufValue::F32(2.5));
+            put(&key("expert_weights_norm"), GgufValue::Bool(true));
+            put(&key("rope.scaling.type"), GgufValue::String("yarn".into()));
+            put(&key("rope.scaling.factor"), GgufValue::F32(40.0));
+            put(&key("rope.scaling.original_context_length"), u32v(4096));
+            put(&key("rope.scaling.yarn_beta_fast"), GgufValue::F32(32.0));
+            put(&key("rope.scaling.yarn_beta_slow"), GgufValue::F32(1.0));
+            put(&key("rope.scaling.yarn_log_multiplier"), GgufValue::F32(0.1));
+        }
+        (None, _) => {
             put(&key("attention.head_count_kv"), u32v(g.n_kv_heads));
             put(&key("rope.freq_base"), GgufValue::F32(g.rope_theta));
             put(&key("attention.key_length"), u32v(g.head_dim));
             put(&key("attention.value_length"), u32v(g.head_dim));
         }
-        Some(i) => {
+        (Some(i), _) => {
             let kv = (0..g.n_layers).map(|l| u32v(g.attention(l).0)).collect();
             put(&key("attention.head_count_kv"), GgufValue::Array(kv));
             put(&key("rope.freq_base"), GgufValue::F32(g.rope_theta));
@@ -793,9 +900,16 @@ fn tensors(o: &SynthOptions) -> Vec<SynthTensor> {
     }
 
     for l in 0..g.n_layers {
-        if g.arch == Arch::GptOss {
-            gpt_oss_layer(&mut t, o, l, out);
-            continue;
+        match g.arch {
+            Arch::GptOss => {
+                gpt_oss_layer(&mut t, o, l, out);
+                continue;
+            }
+            Arch::DeepSeek2(m) => {
+                deepseek_layer(&mut t, o, (l, m), out);
+                continue;
+            }
+            _ => {}
         }
         let n = |s: &str| format!("blk.{l}.{s}");
         let (kv, hd) = g.attention(l);
@@ -892,6 +1006,52 @@ fn gpt_oss_layer(t: &mut Tensors, o: &SynthOptions, l: usize, out: f32) {
     bias(t, n("ffn_gate_exps.bias"), &[e, i]);
     bias(t, n("ffn_up_exps.bias"), &[e, i]);
     bias(t, n("ffn_down_exps.bias"), &[e, h]);
+}
+
+/// One DeepSeek-V3 layer, in llama.cpp's converter's names: the latent attention's
+/// bottlenecks and per-head up-projections (`attn_k_b` transposed), a dense MLP on the
+/// first layers, else sigmoid-routed experts with a correction bias (`exp_probs_b`,
+/// the skew's popularity at a tenth of its log, sigmoid scores being at most 1) beside
+/// the shared experts. `out` scales the residual branches' output projections.
+fn deepseek_layer(t: &mut Tensors, o: &SynthOptions, (l, m): (usize, SynthMla), out: f32) {
+    let (g, q, tu) = (&o.geometry, o.quant, o.tuning);
+    let (h, e, i, heads) = (g.hidden, g.n_experts, g.expert_ffn, g.n_heads);
+    let (c, qk) = (m.kv_lora_rank, m.nope_dim + m.rope_dim);
+    let n = |s: &str| format!("blk.{l}.{s}");
+    t.norm(n("attn_norm.weight"), h, 1.0);
+    t.mat(n("attn_q_a.weight"), q, &[m.q_lora_rank, h], 1.0);
+    t.norm(n("attn_q_a_norm.weight"), m.q_lora_rank, 1.0);
+    // Scores of spread about score_std: the query's latent part meets the unit-RMS
+    // latent over kv_lora_rank dims, scaled by (nope + rope)^-1/2.
+    let qk_gain = (tu.score_std * (qk as f32 / c as f32).sqrt()).sqrt();
+    t.mat(n("attn_q_b.weight"), q, &[heads * qk, m.q_lora_rank], qk_gain);
+    t.mat(n("attn_kv_a_mqa.weight"), q, &[c + m.rope_dim, h], 1.0);
+    t.norm(n("attn_kv_a_norm.weight"), c, 1.0);
+    t.mat(n("attn_k_b.weight"), q, &[heads, c, m.nope_dim], qk_gain);
+    t.mat(n("attn_v_b.weight"), q, &[heads, m.v_dim, c], 1.0);
+    t.mat(n("attn_output.weight"), q, &[h, heads * m.v_dim], out);
+    t.norm(n("ffn_norm.weight"), h, 1.0);
+    if l < m.dense_layers {
+        let f = g.dense_ffn;
+        t.mat(n("ffn_gate.weight"), q, &[f, h], 1.0);
+        t.mat(n("ffn_up.weight"), q, &[f, h], 1.0);
+        t.mat(n("ffn_down.weight"), q, &[h, f], out);
+        return;
+    }
+    t.push(n("ffn_gate_inp.weight"), DType::F32, &[e, h], Init::Random(tu.router_std * (h as f32).powf(-0.5)), None);
+    let bias = if o.skew > 0.0 {
+        router_bias(e, o.skew, o.seed, l).into_iter().map(|b| 0.1 * b).collect()
+    } else {
+        vec![0.0; e]
+    };
+    t.push(n("exp_probs_b.bias"), DType::F32, &[e], Init::Values(bias), None);
+    t.experts(n("ffn_gate_exps.weight"), q, [e, i, h], 1.0, l, ExpertPart::Gate);
+    t.experts(n("ffn_up_exps.weight"), q, [e, i, h], 1.0, l, ExpertPart::Up);
+    t.experts(n("ffn_down_exps.weight"), q, [e, h, i], out, l, ExpertPart::Down);
+    let s = m.shared * i;
+    t.mat(n("ffn_gate_shexp.weight"), q, &[s, h], 1.0);
+    t.mat(n("ffn_up_shexp.weight"), q, &[s, h], 1.0);
+    t.mat(n("ffn_down_shexp.weight"), q, &[h, s], out);
 }
 
 /// A fast generator (wyrand): 64 bits a multiply.

@@ -7,7 +7,7 @@ use sluice_cpu::{AttnParams, AttnSeq, KvCache};
 use sluice_experts::{ExpertLease, ExpertStore, FetchMode};
 use sluice_formats::TensorView;
 
-use super::{AttnOp, Backend, ExpertFfn, Norm, RouterOp};
+use super::{AttnOp, Backend, ExpertFfn, HeadCols, Norm, RouterOp, check_head_cols};
 use crate::batch::{Batch, RowPrecision, SeqRows};
 
 /// A row-major `[rows, cols]` f32 matrix in host memory.
@@ -187,6 +187,19 @@ impl Backend for Cpu {
             out.data[i * len..(i + 1) * len].copy_from_slice(&x.row(i)[start..start + len]);
         }
         Ok(out)
+    }
+
+    fn copy_columns(&self, dst: &mut HostAct, to: HeadCols, src: &HostAct, from: HeadCols) -> Result<()> {
+        check_head_cols((dst.rows, dst.cols), to, (src.rows, src.cols), from)?;
+        let (dw, sw) = (dst.cols / to.heads, src.cols / from.heads);
+        for r in 0..dst.rows {
+            let (d, s) = (&mut dst.data[r * dst.cols..(r + 1) * dst.cols], &src.data[r * src.cols..(r + 1) * src.cols]);
+            for h in 0..to.heads {
+                let (a, b) = (h * dw + to.start, h * sw + from.start);
+                d[a..a + to.len].copy_from_slice(&s[b..b + from.len]);
+            }
+        }
+        Ok(())
     }
 
     fn activate(&self, x: &mut HostAct, act: Activation) -> Result<()> {

@@ -14,7 +14,7 @@ mod cpu;
 
 pub use cpu::{Cpu, HostAct, HostRouting};
 
-use sluice_core::{Activation, AttentionSpec, Glu, Result, RopeSpec, RouterKind};
+use sluice_core::{Activation, AttentionSpec, Error, Glu, Result, RopeSpec, RouterKind};
 use sluice_experts::ExpertStore;
 use sluice_formats::TensorView;
 
@@ -40,6 +40,30 @@ pub struct AttnOp<'a, B: Backend> {
     pub caches: &'a [&'a B::Kv],
     /// One logit per query head that joins each softmax without a value (gpt-oss).
     pub sinks: Option<&'a B::Vector>,
+}
+
+/// A run of columns in each of `heads` equal heads of a row: columns `start..start +
+/// len` of every head (`heads: 1` is a plain run of a row's columns).
+#[derive(Clone, Copy, Debug)]
+pub struct HeadCols {
+    pub heads: usize,
+    pub start: usize,
+    pub len: usize,
+}
+
+/// Checks a [`Backend::copy_columns`] request against the `(rows, cols)` of its two
+/// activations: the same rows, heads and lengths, and every run inside its head.
+pub fn check_head_cols(dst: (usize, usize), to: HeadCols, src: (usize, usize), from: HeadCols) -> Result<()> {
+    let fits = |(_, cols): (usize, usize), c: HeadCols| {
+        c.heads > 0 && cols.is_multiple_of(c.heads) && c.start + c.len <= cols / c.heads
+    };
+    if dst.0 != src.0 || to.heads != from.heads || to.len != from.len || !fits(dst, to) || !fits(src, from) {
+        return Err(Error::Unsupported(format!(
+            "copy_columns: {from:?} of a {}x{} activation do not fit {to:?} of a {}x{} one",
+            src.0, src.1, dst.0, dst.1
+        )));
+    }
+    Ok(())
 }
 
 /// A router: how its logits become each row's experts and weights.
@@ -133,6 +157,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn gather_rows(&self, x: &Self::Act, rows: &[usize]) -> Result<Self::Act>;
     /// Columns `start..start + len` of every row.
     fn columns(&self, x: &Self::Act, start: usize, len: usize) -> Result<Self::Act>;
+    /// Copies `src`'s columns `from` into `dst`'s columns `to`, row by row (the same
+    /// rows, heads and lengths): gathers one part of every head, or places one head.
+    fn copy_columns(&self, dst: &mut Self::Act, to: HeadCols, src: &Self::Act, from: HeadCols) -> Result<()>;
     fn activate(&self, x: &mut Self::Act, act: Activation) -> Result<()>;
     /// `gate = glu(gate, up)`.
     fn glu(&self, gate: &mut Self::Act, up: &Self::Act, glu: Glu) -> Result<()>;

@@ -2,6 +2,7 @@
 //! blocks and backend operations, and nothing about how they run: no timing, no
 //! read-ahead, no threads.
 
+pub mod deepseek;
 pub mod gemma3;
 pub mod gemma4;
 pub mod gpt_oss;

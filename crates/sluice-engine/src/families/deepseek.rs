@@ -1,0 +1,124 @@
+//! DeepSeek-V3 (and DeepSeek-V2's layout: `deepseek2` in GGUF).
+//!
+//! Pre-norm residual blocks; multi-head latent attention on every layer (`mla.rs`);
+//! dense MLPs on the first layers, then routed experts beside shared ones:
+//!
+//!   x += mla(attn_norm(x))
+//!   x += mlp(ffn_norm(x))                       the first `first_k_dense_replace` layers
+//!   x += experts(ffn_norm(x)) + shared(ffn_norm(x))   the rest: sigmoid scores, a
+//!                                               correction bias to choose, the best
+//!                                               groups only, weights renormalised and
+//!                                               scaled (the router kind in the spec)
+
+use sluice_core::{ModelSpec, Result};
+use sluice_formats::{Checkpoint, TensorId, TensorKind};
+
+use super::Network;
+use crate::backend::Backend;
+use crate::blocks::{Cx, Mlp, load_mat, load_output, load_vector};
+use crate::mla::Mla;
+use crate::moe::{Moe, RouterInput};
+use crate::state::StateSpec;
+
+enum Ffn<B: Backend> {
+    Dense(Mlp<B>),
+    Sparse { experts: Moe<B>, shared: Option<Mlp<B>> },
+}
+
+struct Layer<B: Backend> {
+    attn_norm: B::Vector,
+    attn: Mla<B>,
+    ffn_norm: B::Vector,
+    ffn: Ffn<B>,
+}
+
+impl<B: Backend> Layer<B> {
+    fn load(be: &B, ckpt: &Checkpoint, i: usize) -> Result<Self> {
+        let h = ckpt.spec.hidden_size;
+        let ls = &ckpt.spec.layers[i];
+        let norm = |k| load_vector(be, ckpt, TensorId::layer(i, k), h);
+        let ffn = match (&ls.moe, ls.mlp) {
+            (Some(m), _) => Ffn::Sparse {
+                // The router reads the FFN's normed input.
+                experts: Moe::load(be, ckpt, i, RouterInput::Norm(norm(TensorKind::FfnNorm)?))?,
+                shared: m.shared.map(|inter| Mlp::load_shared(be, ckpt, i, inter)).transpose()?,
+            },
+            (None, Some(inter)) => Ffn::Dense(Mlp::load(be, ckpt, i, inter)?),
+            (None, None) => unreachable!("a DeepSeek layer has an MLP or experts"),
+        };
+        Ok(Layer {
+            attn_norm: norm(TensorKind::AttnNorm)?,
+            attn: Mla::load(be, ckpt, i)?,
+            ffn_norm: norm(TensorKind::FfnNorm)?,
+            ffn,
+        })
+    }
+
+    fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, h: usize) -> Result<()> {
+        let a = cx.normed(x, &self.attn_norm, h)?;
+        let a = self.attn.forward(cx, &a)?;
+        cx.be.add(x, &a)?;
+        let f = cx.normed(x, &self.ffn_norm, h)?;
+        let f = match &self.ffn {
+            Ffn::Dense(mlp) => mlp.forward(cx, &f)?,
+            Ffn::Sparse { experts, shared } => {
+                let mut y = experts.forward(cx, x, &f)?;
+                if let Some(s) = shared {
+                    cx.be.add(&mut y, &s.forward(cx, &f)?)?;
+                }
+                y
+            }
+        };
+        cx.be.add(x, &f)
+    }
+}
+
+pub struct DeepSeek<B: Backend> {
+    spec: ModelSpec,
+    embed: B::Mat,
+    output: B::Mat,
+    final_norm: B::Vector,
+    layers: Vec<Layer<B>>,
+}
+
+impl<B: Backend> DeepSeek<B> {
+    pub fn load(be: &B, ckpt: &Checkpoint) -> Result<Self> {
+        let spec = ckpt.spec.clone();
+        let h = spec.hidden_size;
+        Ok(DeepSeek {
+            embed: load_mat(be, ckpt, TensorId::model(TensorKind::TokenEmbd), spec.vocab_size, h)?,
+            output: load_output(be, ckpt)?,
+            final_norm: load_vector(be, ckpt, TensorId::model(TensorKind::OutputNorm), h)?,
+            layers: (0..spec.n_layers()).map(|i| Layer::load(be, ckpt, i)).collect::<Result<_>>()?,
+            spec,
+        })
+    }
+}
+
+impl<B: Backend> Network<B> for DeepSeek<B> {
+    /// Each layer caches its latent and RoPE key, one vector a position.
+    fn state(&self) -> Vec<StateSpec> {
+        self.spec.layers.iter().map(|l| StateSpec::Latent { width: l.attention.kv_dim() }).collect()
+    }
+
+    fn forward(&self, cx: &mut Cx<'_, B>, tokens: &[u32]) -> Result<B::Act> {
+        let h = self.spec.hidden_size;
+        let mut x = cx.embed(&self.embed, tokens, 1.0)?;
+        for l in &self.layers {
+            l.forward(cx, &mut x, h)?;
+        }
+        cx.norm(&mut x, &self.final_norm, h)?;
+        Ok(x)
+    }
+
+    fn lm_head(&self) -> &B::Mat {
+        &self.output
+    }
+
+    fn moe(&self, layer: usize) -> Option<&Moe<B>> {
+        match &self.layers.get(layer)?.ffn {
+            Ffn::Sparse { experts, .. } => Some(experts),
+            Ffn::Dense(_) => None,
+        }
+    }
+}
