@@ -275,6 +275,28 @@ fn gpt_oss_bad_experts() {
     assert_one_error(&logits_of(&d, "1,2"), "model.layers.0.extra_codes");
 }
 
+/// DeepSeek: a latent rank of zero, groups that do not divide the experts, and a
+/// missing latent projection each end in one error naming the field or tensor.
+#[test]
+fn deepseek_bad_config_and_tensors() {
+    let d = scratch("deepseek-v3", "ds-rank");
+    let cfg =
+        std::fs::read_to_string(d.join("config.json")).unwrap().replace("\"kv_lora_rank\": 32", "\"kv_lora_rank\": 0");
+    std::fs::write(d.join("config.json"), cfg).unwrap();
+    assert_one_error(&logits_of(&d, "1,2"), "kv_lora_rank");
+
+    let d = scratch("deepseek-v3", "ds-groups");
+    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap().replace("\"n_group\": 4", "\"n_group\": 3");
+    std::fs::write(d.join("config.json"), cfg).unwrap();
+    assert_one_error(&logits_of(&d, "1,2"), "groups");
+
+    let d = scratch("deepseek-v3", "ds-missing");
+    rewrite_safetensors(&d.join("model.safetensors"), |v| {
+        v.retain(|t| t.0 != "model.layers.2.self_attn.kv_a_proj_with_mqa.weight")
+    });
+    assert_one_error(&logits_of(&d, "1,2"), "model.layers.2.self_attn.kv_a_proj_with_mqa.weight");
+}
+
 #[test]
 fn truncated_safetensors() {
     let d = scratch("qwen3", "truncated");

@@ -196,6 +196,32 @@ fn synth_gpt_oss_runs_streamed_and_packed_identically() {
     }
 }
 
+/// DeepSeek-V3's geometry: the latent attention, a dense first layer, grouped sigmoid
+/// routing with a correction bias and shared experts; logits of unit scale, streamed
+/// bitwise as mapped.
+#[test]
+fn synth_deepseek_runs_and_streams_identically() {
+    let dir = scratch("deepseek");
+    let model = dir.join("deepseek.gguf");
+    ok(&["synth", "--geometry", "tiny-deepseek", "--quant", "q8_0", "--skew", "0.9", "--out", s(&model)]);
+    let ckpt = Checkpoint::open(&model).unwrap();
+    assert_eq!(ckpt.spec.family, sluice_core::Family::DeepSeek);
+    let moe: Vec<bool> = ckpt.spec.layers.iter().map(|l| l.moe.is_some()).collect();
+    assert_eq!(moe, vec![false, true, true, true]);
+    let vocab = ckpt.spec.vocab_size;
+    for mode in ["prefill", "decode"] {
+        let mapped = logits(&model, TOKENS, mode, &["--residency", "mapped"], &dir.join("a.f32"));
+        let values: Vec<f32> = mapped.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(values.len(), 20 * vocab);
+        let mean = values.iter().sum::<f32>() / values.len() as f32;
+        let sd = (values.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / values.len() as f32).sqrt();
+        assert!((0.3..3.0).contains(&sd), "{mode}: logits of unit scale, got sd {sd}");
+        let streamed =
+            logits(&model, TOKENS, mode, &["--residency", "streamed", "--expert-cache", "4"], &dir.join("b.f32"));
+        assert!(streamed == mapped, "{mode}: streamed differs from mapped");
+    }
+}
+
 /// Per layer, the share of decode-step routing that went to the `n` experts the router
 /// bias ranks most popular.
 fn popular_share(model: &Path, bias_of: &Path, n: usize, dir: &Path) -> Vec<f64> {
