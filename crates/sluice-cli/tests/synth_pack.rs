@@ -124,6 +124,30 @@ fn a_packed_expert_is_one_read() {
     }
 }
 
+/// In both logits modes, `model`'s logits (mapped) are finite and of unit scale, and
+/// the same bits streamed through a cache of four experts a layer, and from `packed`
+/// (its `sluice pack`) if given.
+fn streams_like_mapped(model: &Path, dir: &Path, packed: Option<&Path>) {
+    let vocab = Checkpoint::open(model).unwrap().spec.vocab_size;
+    for mode in ["prefill", "decode"] {
+        let mapped = logits(model, TOKENS, mode, &["--residency", "mapped"], &dir.join("a.f32"));
+        let values: Vec<f32> = mapped.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(values.len(), 20 * vocab);
+        assert!(values.iter().all(|v| v.is_finite()), "{mode}: finite logits");
+        let mean = values.iter().sum::<f32>() / values.len() as f32;
+        let sd = (values.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / values.len() as f32).sqrt();
+        assert!((0.3..3.0).contains(&sd), "{mode}: logits of unit scale, got sd {sd}");
+        let streamed = ["--residency", "streamed", "--expert-cache", "4"];
+        assert!(logits(model, TOKENS, mode, &streamed, &dir.join("b.f32")) == mapped, "{mode}: streamed differs");
+        if let Some(p) = packed {
+            assert!(
+                logits(p, TOKENS, mode, &streamed, &dir.join("c.f32")) == mapped,
+                "{mode}: the packed form differs"
+            );
+        }
+    }
+}
+
 #[test]
 fn synth_tiny_moe_runs_and_streams_identically() {
     let dir = scratch("tiny");
@@ -134,19 +158,7 @@ fn synth_tiny_moe_runs_and_streams_identically() {
     let o = ok(&["run", "--model", s(&model), "--prompt", "Hello", "--max-tokens", "4", "--temperature", "0"]);
     assert!(String::from_utf8_lossy(&o.stdout).starts_with("Hello"));
     ok(&["run", "--model", s(&model), "--chat", "--prompt", "Hi", "--max-tokens", "4", "--seed", "1"]);
-    let vocab = Checkpoint::open(&model).unwrap().spec.vocab_size;
-    for mode in ["prefill", "decode"] {
-        let mapped = logits(&model, TOKENS, mode, &["--residency", "mapped"], &dir.join("a.f32"));
-        let values: Vec<f32> = mapped.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-        assert_eq!(values.len(), 20 * vocab);
-        assert!(values.iter().all(|v| v.is_finite()), "{mode}: finite logits");
-        let mean = values.iter().sum::<f32>() / values.len() as f32;
-        let sd = (values.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / values.len() as f32).sqrt();
-        assert!((0.3..3.0).contains(&sd), "{mode}: logits of unit scale, got sd {sd}");
-        let streamed =
-            logits(&model, TOKENS, mode, &["--residency", "streamed", "--expert-cache", "4"], &dir.join("b.f32"));
-        assert!(streamed == mapped, "{mode}: streamed differs from mapped");
-    }
+    streams_like_mapped(&model, &dir, None);
     // Other weight types run too.
     for quant in ["q8_0", "q6_k", "q5_k", "q4_0", "mxfp4", "bf16"] {
         let m = dir.join(format!("{quant}.gguf"));
@@ -178,22 +190,9 @@ fn synth_gpt_oss_runs_streamed_and_packed_identically() {
     assert_eq!(g.tensor("blk.0.attn_q.weight").unwrap().dtype, sluice_core::DType::Q8_0);
     let a = ckpt.spec.layers.iter().map(|l| l.attention.window).collect::<Vec<_>>();
     assert_eq!(a, vec![Some(128), None, Some(128), None]);
-    let vocab = ckpt.spec.vocab_size;
     let packed = dir.join("packed");
     ok(&["pack", "--model", s(&model), "--out", s(&packed)]);
-    for mode in ["prefill", "decode"] {
-        let mapped = logits(&model, TOKENS, mode, &["--residency", "mapped"], &dir.join("a.f32"));
-        let values: Vec<f32> = mapped.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-        assert_eq!(values.len(), 20 * vocab);
-        let mean = values.iter().sum::<f32>() / values.len() as f32;
-        let sd = (values.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / values.len() as f32).sqrt();
-        assert!((0.3..3.0).contains(&sd), "{mode}: logits of unit scale, got sd {sd}");
-        let streamed =
-            logits(&model, TOKENS, mode, &["--residency", "streamed", "--expert-cache", "4"], &dir.join("b.f32"));
-        assert!(streamed == mapped, "{mode}: streamed differs from mapped");
-        let p = logits(&packed, TOKENS, mode, &["--residency", "streamed", "--expert-cache", "5"], &dir.join("c.f32"));
-        assert!(p == mapped, "{mode}: the packed form differs");
-    }
+    streams_like_mapped(&model, &dir, Some(&packed));
 }
 
 /// DeepSeek-V3's geometry: the latent attention, a dense first layer, grouped sigmoid
@@ -208,18 +207,7 @@ fn synth_deepseek_runs_and_streams_identically() {
     assert_eq!(ckpt.spec.family, sluice_core::Family::DeepSeek);
     let moe: Vec<bool> = ckpt.spec.layers.iter().map(|l| l.moe.is_some()).collect();
     assert_eq!(moe, vec![false, true, true, true]);
-    let vocab = ckpt.spec.vocab_size;
-    for mode in ["prefill", "decode"] {
-        let mapped = logits(&model, TOKENS, mode, &["--residency", "mapped"], &dir.join("a.f32"));
-        let values: Vec<f32> = mapped.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-        assert_eq!(values.len(), 20 * vocab);
-        let mean = values.iter().sum::<f32>() / values.len() as f32;
-        let sd = (values.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / values.len() as f32).sqrt();
-        assert!((0.3..3.0).contains(&sd), "{mode}: logits of unit scale, got sd {sd}");
-        let streamed =
-            logits(&model, TOKENS, mode, &["--residency", "streamed", "--expert-cache", "4"], &dir.join("b.f32"));
-        assert!(streamed == mapped, "{mode}: streamed differs from mapped");
-    }
+    streams_like_mapped(&model, &dir, None);
 }
 
 /// Per layer, the share of decode-step routing that went to the `n` experts the router

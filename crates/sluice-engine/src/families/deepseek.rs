@@ -13,9 +13,9 @@
 use sluice_core::{ModelSpec, Result};
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
-use super::Network;
+use super::{Block, Stack};
 use crate::backend::Backend;
-use crate::blocks::{Cx, Mlp, load_mat, load_output, load_vector};
+use crate::blocks::{Cx, Mlp, load_vector};
 use crate::mla::Mla;
 use crate::moe::{Moe, RouterInput};
 use crate::state::StateSpec;
@@ -25,14 +25,15 @@ enum Ffn<B: Backend> {
     Sparse { experts: Moe<B>, shared: Option<Mlp<B>> },
 }
 
-struct Layer<B: Backend> {
+/// One layer; the model is a [`Stack`] of them.
+pub struct Layer<B: Backend> {
     attn_norm: B::Vector,
     attn: Mla<B>,
     ffn_norm: B::Vector,
     ffn: Ffn<B>,
 }
 
-impl<B: Backend> Layer<B> {
+impl<B: Backend> Block<B> for Layer<B> {
     fn load(be: &B, ckpt: &Checkpoint, i: usize) -> Result<Self> {
         let h = ckpt.spec.hidden_size;
         let ls = &ckpt.spec.layers[i];
@@ -54,6 +55,18 @@ impl<B: Backend> Layer<B> {
         })
     }
 
+    fn experts(&self) -> Option<&Moe<B>> {
+        match &self.ffn {
+            Ffn::Sparse { experts, .. } => Some(experts),
+            Ffn::Dense(_) => None,
+        }
+    }
+
+    /// Each layer caches its latent and RoPE key, one vector a position.
+    fn state(spec: &ModelSpec) -> Vec<StateSpec> {
+        spec.layers.iter().map(|l| StateSpec::Latent { width: l.attention.kv_dim() }).collect()
+    }
+
     fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, h: usize) -> Result<()> {
         let a = cx.normed(x, &self.attn_norm, h)?;
         let a = self.attn.forward(cx, &a)?;
@@ -73,52 +86,4 @@ impl<B: Backend> Layer<B> {
     }
 }
 
-pub struct DeepSeek<B: Backend> {
-    spec: ModelSpec,
-    embed: B::Mat,
-    output: B::Mat,
-    final_norm: B::Vector,
-    layers: Vec<Layer<B>>,
-}
-
-impl<B: Backend> DeepSeek<B> {
-    pub fn load(be: &B, ckpt: &Checkpoint) -> Result<Self> {
-        let spec = ckpt.spec.clone();
-        let h = spec.hidden_size;
-        Ok(DeepSeek {
-            embed: load_mat(be, ckpt, TensorId::model(TensorKind::TokenEmbd), spec.vocab_size, h)?,
-            output: load_output(be, ckpt)?,
-            final_norm: load_vector(be, ckpt, TensorId::model(TensorKind::OutputNorm), h)?,
-            layers: (0..spec.n_layers()).map(|i| Layer::load(be, ckpt, i)).collect::<Result<_>>()?,
-            spec,
-        })
-    }
-}
-
-impl<B: Backend> Network<B> for DeepSeek<B> {
-    /// Each layer caches its latent and RoPE key, one vector a position.
-    fn state(&self) -> Vec<StateSpec> {
-        self.spec.layers.iter().map(|l| StateSpec::Latent { width: l.attention.kv_dim() }).collect()
-    }
-
-    fn forward(&self, cx: &mut Cx<'_, B>, tokens: &[u32]) -> Result<B::Act> {
-        let h = self.spec.hidden_size;
-        let mut x = cx.embed(&self.embed, tokens, 1.0)?;
-        for l in &self.layers {
-            l.forward(cx, &mut x, h)?;
-        }
-        cx.norm(&mut x, &self.final_norm, h)?;
-        Ok(x)
-    }
-
-    fn lm_head(&self) -> &B::Mat {
-        &self.output
-    }
-
-    fn moe(&self, layer: usize) -> Option<&Moe<B>> {
-        match &self.layers.get(layer)?.ffn {
-            Ffn::Sparse { experts, .. } => Some(experts),
-            Ffn::Dense(_) => None,
-        }
-    }
-}
+pub type DeepSeek<B> = Stack<B, Layer<B>>;

@@ -8,16 +8,15 @@
 //! query_pre_attn_scalar^-0.5, and alternates sliding-window and full layers; all of
 //! that comes from the spec.
 
-use sluice_core::{ModelSpec, Result};
+use sluice_core::Result;
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
-use super::{Network, attention_state};
+use super::{Block, Stack};
 use crate::backend::Backend;
-use crate::blocks::{Attention, Cx, Mlp, load_mat, load_output, load_vector};
-use crate::moe::Moe;
-use crate::state::StateSpec;
+use crate::blocks::{Attention, Cx, Mlp, load_vector};
 
-struct Layer<B: Backend> {
+/// One layer; the model is a [`Stack`] of them.
+pub struct Layer<B: Backend> {
     attn_norm: B::Vector,
     attn: Attention<B>,
     attn_post_norm: B::Vector,
@@ -26,7 +25,7 @@ struct Layer<B: Backend> {
     ffn_post_norm: B::Vector,
 }
 
-impl<B: Backend> Layer<B> {
+impl<B: Backend> Block<B> for Layer<B> {
     fn load(be: &B, ckpt: &Checkpoint, i: usize) -> Result<Self> {
         let norm = |k| load_vector(be, ckpt, TensorId::layer(i, k), ckpt.spec.hidden_size);
         let inter = ckpt.spec.layers[i].mlp.expect("every Gemma 3 layer has an MLP");
@@ -52,48 +51,4 @@ impl<B: Backend> Layer<B> {
     }
 }
 
-pub struct Gemma3<B: Backend> {
-    spec: ModelSpec,
-    embed: B::Mat,
-    output: B::Mat,
-    final_norm: B::Vector,
-    layers: Vec<Layer<B>>,
-}
-
-impl<B: Backend> Gemma3<B> {
-    pub fn load(be: &B, ckpt: &Checkpoint) -> Result<Self> {
-        let spec = ckpt.spec.clone();
-        let h = spec.hidden_size;
-        Ok(Gemma3 {
-            embed: load_mat(be, ckpt, TensorId::model(TensorKind::TokenEmbd), spec.vocab_size, h)?,
-            output: load_output(be, ckpt)?,
-            final_norm: load_vector(be, ckpt, TensorId::model(TensorKind::OutputNorm), h)?,
-            layers: (0..spec.n_layers()).map(|i| Layer::load(be, ckpt, i)).collect::<Result<_>>()?,
-            spec,
-        })
-    }
-}
-
-impl<B: Backend> Network<B> for Gemma3<B> {
-    fn state(&self) -> Vec<StateSpec> {
-        attention_state(&self.spec)
-    }
-
-    fn forward(&self, cx: &mut Cx<'_, B>, tokens: &[u32]) -> Result<B::Act> {
-        let h = self.spec.hidden_size;
-        let mut x = cx.embed(&self.embed, tokens, self.spec.embed_scale)?;
-        for l in &self.layers {
-            l.forward(cx, &mut x, h)?;
-        }
-        cx.norm(&mut x, &self.final_norm, h)?;
-        Ok(x)
-    }
-
-    fn lm_head(&self) -> &B::Mat {
-        &self.output
-    }
-
-    fn moe(&self, _layer: usize) -> Option<&Moe<B>> {
-        None
-    }
-}
+pub type Gemma3<B> = Stack<B, Layer<B>>;

@@ -8,10 +8,11 @@ pub mod gemma4;
 pub mod gpt_oss;
 pub mod llama;
 
-use sluice_core::Result;
+use sluice_core::{ModelSpec, Result};
+use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
 use crate::backend::Backend;
-use crate::blocks::Cx;
+use crate::blocks::{Cx, load_mat, load_output, load_vector};
 use crate::moe::Moe;
 use crate::state::StateSpec;
 
@@ -45,4 +46,68 @@ pub fn attention_state(spec: &sluice_core::ModelSpec) -> Vec<StateSpec> {
             }
         })
         .collect()
+}
+
+/// One layer of a [`Stack`]: what it loads and how it adds to the residual stream.
+pub trait Block<B: Backend>: Sized + Send + Sync {
+    fn load(be: &B, ckpt: &Checkpoint, layer: usize) -> Result<Self>;
+    /// Adds the layer's work to the residual `x` (rows of `hidden`).
+    fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, hidden: usize) -> Result<()>;
+    /// The layer's routed experts, if it has them.
+    fn experts(&self) -> Option<&Moe<B>> {
+        None
+    }
+    /// What every layer keeps per sequence (attention's KV, by default).
+    fn state(spec: &ModelSpec) -> Vec<StateSpec> {
+        attention_state(spec)
+    }
+}
+
+/// A decoder whose layers run one after another on the residual stream, between the
+/// token embedding (times the spec's scale) and the final norm: the shape Llama,
+/// Gemma 3, gpt-oss and DeepSeek share, each with its own [`Block`].
+pub struct Stack<B: Backend, L> {
+    spec: ModelSpec,
+    embed: B::Mat,
+    output: B::Mat,
+    final_norm: B::Vector,
+    layers: Vec<L>,
+}
+
+impl<B: Backend, L: Block<B>> Stack<B, L> {
+    pub fn load(be: &B, ckpt: &Checkpoint) -> Result<Self> {
+        let spec = ckpt.spec.clone();
+        let h = spec.hidden_size;
+        Ok(Stack {
+            embed: load_mat(be, ckpt, TensorId::model(TensorKind::TokenEmbd), spec.vocab_size, h)?,
+            output: load_output(be, ckpt)?,
+            final_norm: load_vector(be, ckpt, TensorId::model(TensorKind::OutputNorm), h)?,
+            layers: (0..spec.n_layers()).map(|i| L::load(be, ckpt, i)).collect::<Result<_>>()?,
+            spec,
+        })
+    }
+}
+
+impl<B: Backend, L: Block<B>> Network<B> for Stack<B, L> {
+    fn state(&self) -> Vec<StateSpec> {
+        L::state(&self.spec)
+    }
+
+    fn forward(&self, cx: &mut Cx<'_, B>, tokens: &[u32]) -> Result<B::Act> {
+        let h = self.spec.hidden_size;
+        let mut x = cx.embed(&self.embed, tokens, self.spec.embed_scale)?;
+        for l in &self.layers {
+            l.forward(cx, &mut x, h)?;
+        }
+        cx.norm(&mut x, &self.final_norm, h)?;
+        Ok(x)
+    }
+
+    fn lm_head(&self) -> &B::Mat {
+        &self.output
+    }
+
+    fn moe(&self, layer: usize) -> Option<&Moe<B>> {
+        self.layers.get(layer)?.experts()
+    }
 }
