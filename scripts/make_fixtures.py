@@ -423,11 +423,17 @@ def write_generation_config(folder: Path, family: str) -> None:
 
 
 def randomize(
-    model: torch.nn.Module, seed: int, router_std: float, round_to: torch.dtype | None, expert_gain: float = 1.0
+    model: torch.nn.Module,
+    seed: int,
+    router_std: float,
+    round_to: torch.dtype | None,
+    expert_gain: float = 1.0,
+    zero_centered: bool = False,
 ) -> None:
     """Fills every saved parameter (and the layer_scalar buffers) with non-trivial random values.
     `expert_gain` multiplies fused gate_up experts and divides down experts (gpt-oss: large enough
-    that its SwiGLU clamp at 7 is reached)."""
+    that its SwiGLU clamp at 7 is reached). `zero_centered`: norms that multiply by 1 + w draw w
+    around 0."""
     g = torch.Generator().manual_seed(seed)
     saved = set(model.state_dict().keys())
     tensors = dict(model.named_parameters())
@@ -440,6 +446,11 @@ def randomize(
             if leaf in ("scale", "per_expert_scale", "layer_scalar"):
                 # Gemma 4 router scale, per-expert scale, per-layer scalar: positive, away from 1.
                 v = 0.5 + torch.rand(t.shape, generator=g)
+            elif leaf == "A_log":
+                # Gated DeltaNet's decay rates: -exp(A_log) between -8.5 and -0.5.
+                v = torch.log(0.5 + 8.0 * torch.rand(t.shape, generator=g))
+            elif leaf == "dt_bias":
+                v = torch.randn(t.shape, generator=g)
             elif leaf == "sinks":
                 # gpt-oss attention sinks: logits of the size of the scores, so the sink takes
                 # a visible share of each softmax.
@@ -447,6 +458,10 @@ def randomize(
             elif leaf.endswith("bias") and "router" not in name:
                 # Projection and expert biases (gpt-oss).
                 v = 0.1 * torch.randn(t.shape, generator=g)
+            elif leaf == "weight" and t.dim() == 1 and zero_centered and not name.endswith("linear_attn.norm.weight"):
+                # Qwen3.5's norms multiply by 1 + w (all but DeltaNet's gated output norm).
+                assert "norm" in parent, name
+                v = 0.2 * torch.randn(t.shape, generator=g)
             elif leaf == "weight" and t.dim() == 1:
                 # Every RMSNorm weight (Gemma 4 multiplies by it directly; so do Qwen and Llama).
                 assert "norm" in parent, name
@@ -486,7 +501,7 @@ class RouterWatch:
             cls = type(mod).__name__
             if cls == "Gemma4TextRouter":
                 self.handles.append(mod.register_forward_hook(self._hook(name, probs_index=0)))
-            elif cls in ("Qwen3MoeTopKRouter", "GptOssTopKRouter"):
+            elif cls in ("Qwen3MoeTopKRouter", "GptOssTopKRouter", "Qwen3_5MoeTopKRouter"):
                 self.handles.append(mod.register_forward_hook(self._hook(name, logits_index=0)))
             elif cls == "DeepseekV3TopkRouter":
                 self.handles.append(mod.register_forward_hook(self._deepseek_hook(name)))
@@ -864,6 +879,60 @@ def build_deepseek_v3():
     return DeepseekV3ForCausalLM, cfg
 
 
+def build_qwen35_moe():
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    ids = token_ids("qwen")
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        # Layers 0-2 Gated DeltaNet, layer 3 gated full attention (full_attention_interval 4).
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        # 2 key heads to 4 value heads: each key head serves two value heads.
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        # Partial RoPE over a quarter of each head (8 of 32 dims); text-only positions make
+        # the interleaved multimodal sections plain RoPE.
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"][0],
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+    )
+    cfg = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    return Qwen3_5MoeForConditionalGeneration, cfg
+
+
 def group_limit_bites(model, ids: torch.Tensor) -> int:
     """DeepSeek: over one forward, how many (layer, token) choices the group limit changes
     from the plain top-k of the corrected scores."""
@@ -1065,6 +1134,9 @@ FIXTURES = {
     "qwen3": dict(build=build_qwen3, family="qwen", seed=3003, dtype=torch.float32, router_std=0.0, top_k=None),
     "llama": dict(build=build_llama, family="llama", seed=5001, dtype=torch.float32, router_std=0.0, top_k=None),
     "gpt-oss": dict(build=build_gpt_oss, family="qwen", seed=7001, dtype=torch.float32, router_std=0.3, top_k=2, expert_gain=6.0, gguf="gpt-oss.gguf"),
+    # The multimodal wrapper (text_config, a vision tower to skip), as Qwen3.5 MoE is published;
+    # its GGUF by llama.cpp's converter (without MTP layers) reorders the value heads.
+    "qwen3.5-moe": dict(build=build_qwen35_moe, family="qwen", seed=9001, dtype=torch.float32, router_std=0.3, top_k=2, zero_centered=True, gguf="qwen3.5-moe.gguf"),
     "deepseek-v3": dict(build=build_deepseek_v3, family="qwen", seed=8001, dtype=torch.float32, router_std=0.3, top_k=2, gguf="deepseek-v3.gguf"),
     # As published: bf16, experts in MXFP4 (blocks and scales); llama.cpp's converter keeps MXFP4.
     "gpt-oss-mxfp4": dict(build=build_gpt_oss, family="qwen", seed=7002, dtype=torch.bfloat16, router_std=0.3, top_k=2, expert_gain=6.0, mxfp4=True, gguf="gpt-oss-mxfp4.gguf"),
@@ -1092,7 +1164,7 @@ def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer, lla
         model.set_attn_implementation("eager")
         if spec["top_k"]:
             model.set_experts_implementation("eager")
-        randomize(model, seed, spec["router_std"], round_to, spec.get("expert_gain", 1.0))
+        randomize(model, seed, spec["router_std"], round_to, spec.get("expert_gain", 1.0), spec.get("zero_centered", False))
         if spec.get("mxfp4"):
             snap_experts_to_mxfp4(model)
         verdict = try_model(name, spec, folder, cls, model, ids)
@@ -1251,7 +1323,7 @@ def convert_with_llama_cpp(folder: Path, out: Path, llama_cpp: Path, outtype: st
         f"sys.path[:0] = [{str(llama_cpp)!r}, {str(llama_cpp / 'gguf-py')!r}]\n"
         "import conversion.base as base\n"
         "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
-        f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outfile', {str(out)!r}, '--outtype', {outtype!r}]\n"
+        f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outfile', {str(out)!r}, '--outtype', {outtype!r}, '--no-mtp']\n"
         f"runpy.run_path({str(llama_cpp / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n"
     )
     import subprocess
@@ -1302,6 +1374,11 @@ def check_forms(name: str, folder: Path) -> None:
         assert cfg["rope_scaling"]["rope_type"] == "yarn" and cfg["rope_scaling"]["truncate"] is False
         assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.self_attn.sinks" in names
         assert "model.layers.1.mlp.router.bias" in names and "model.layers.1.self_attn.o_proj.bias" in names
+    elif name == "qwen3.5-moe":
+        assert cfg["model_type"] == "qwen3_5_moe" and cfg["text_config"]["model_type"] == "qwen3_5_moe_text"
+        lm = "model.language_model.layers."
+        assert lm + "0.linear_attn.in_proj_qkv.weight" in names and lm + "3.self_attn.q_proj.weight" in names
+        assert lm + "0.mlp.shared_expert_gate.weight" in names and any(n.startswith("model.visual.") for n in names)
     elif name == "deepseek-v3":
         assert cfg["rope_scaling"]["type"] == "yarn" and "rope_parameters" not in cfg and "head_dim" not in cfg
         assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in names and "model.layers.1.self_attn.q_a_proj.weight" in names

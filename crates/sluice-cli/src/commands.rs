@@ -968,13 +968,23 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
     println!("per layer:");
     for (i, l) in spec.layers.iter().enumerate() {
         let at = &l.attention;
-        let mut desc = format!(
-            "  {i:>3}  {} heads {}x{} kv {}",
-            if at.window.is_some() { "sliding" } else { "full   " },
-            at.n_heads,
-            at.head_dim,
-            at.n_kv_heads
-        );
+        let mut desc = match (l.linear, at.mla) {
+            (Some(d), _) => format!(
+                "  {i:>3}  delta-net k {}x{} v {}x{} conv {}",
+                d.k_heads, d.k_dim, d.v_heads, d.v_dim, d.conv_kernel
+            ),
+            (None, Some(m)) => format!(
+                "  {i:>3}  latent  heads {} latent {} rope {} (query rank {:?})",
+                at.n_heads, m.kv_lora_rank, m.rope_dim, m.q_lora_rank
+            ),
+            (None, None) => format!(
+                "  {i:>3}  {} heads {}x{} kv {}",
+                if at.window.is_some() { "sliding" } else { "full   " },
+                at.n_heads,
+                at.head_dim,
+                at.n_kv_heads
+            ),
+        };
         if let Some(src) = at.kv_source {
             desc += &format!(" (KV of layer {src})");
         }

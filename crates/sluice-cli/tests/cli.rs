@@ -297,6 +297,24 @@ fn deepseek_bad_config_and_tensors() {
     assert_one_error(&logits_of(&d, "1,2"), "model.layers.2.self_attn.kv_a_proj_with_mqa.weight");
 }
 
+/// Qwen3.5: value heads that do not divide over the key heads, and a missing DeltaNet
+/// projection, each end in one error naming the field or tensor.
+#[test]
+fn qwen35_bad_config_and_tensors() {
+    let d = scratch("qwen3.5-moe", "q35-heads");
+    let cfg = std::fs::read_to_string(d.join("config.json"))
+        .unwrap()
+        .replace("\"linear_num_value_heads\": 4", "\"linear_num_value_heads\": 3");
+    std::fs::write(d.join("config.json"), cfg).unwrap();
+    assert_one_error(&logits_of(&d, "1,2"), "linear_num_value_heads");
+
+    let d = scratch("qwen3.5-moe", "q35-missing");
+    rewrite_safetensors(&d.join("model.safetensors"), |v| {
+        v.retain(|t| t.0 != "model.language_model.layers.1.linear_attn.in_proj_z.weight")
+    });
+    assert_one_error(&logits_of(&d, "1,2"), "model.language_model.layers.1.linear_attn.in_proj_z.weight");
+}
+
 #[test]
 fn truncated_safetensors() {
     let d = scratch("qwen3", "truncated");

@@ -20,6 +20,9 @@ pub enum Family {
     /// DeepSeek-V3 (and V2's layout): multi-head latent attention, dense first
     /// layers, then sigmoid-routed experts beside shared experts.
     DeepSeek,
+    /// Qwen3.5/3.6-MoE: Gated DeltaNet linear attention on most layers, gated full
+    /// attention on the rest, routed experts beside a gated shared expert.
+    Qwen35,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,6 +30,8 @@ pub enum Activation {
     Silu,
     /// GELU with the tanh approximation (`gelu_pytorch_tanh`).
     GeluTanh,
+    /// `1 / (1 + e^-x)` (output and shared-expert gates).
+    Sigmoid,
 }
 
 /// How the two halves of a rotary pair are laid out in a head.
@@ -196,6 +201,10 @@ pub struct AttentionSpec {
     /// `kv_lora_rank + rope_dim`, `n_kv_heads` 1, `scale` the per-head dims' own, and
     /// `rope` rotates the `rope_dim` dims.
     pub mla: Option<MlaSpec>,
+    /// The q projection gives each head its query and then as many gate values; the
+    /// attention's output is multiplied by their sigmoid before the o projection
+    /// (Qwen3.5's full-attention layers).
+    pub output_gate: bool,
 }
 
 /// The shapes of a multi-head latent attention layer.
@@ -260,9 +269,63 @@ pub struct MoeSpec {
     pub glu: Glu,
     /// Each expert's products add a bias (gpt-oss).
     pub expert_bias: bool,
-    /// Experts every token goes through beside the routed ones, as one MLP of this
-    /// intermediate size (DeepSeek: `n_shared_experts` times an expert's).
-    pub shared: Option<usize>,
+    /// Experts every token goes through beside the routed ones, as one MLP.
+    pub shared: Option<SharedExperts>,
+}
+
+/// The always-on experts of a MoE layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedExperts {
+    /// Intermediate size of the one MLP they make (DeepSeek: `n_shared_experts` times
+    /// an expert's).
+    pub intermediate: usize,
+    /// Their output is scaled per token by the sigmoid of a learned projection of the
+    /// input (Qwen's `shared_expert_gate`).
+    pub gated: bool,
+}
+
+/// A Gated DeltaNet layer (Qwen3.5's linear attention): a causal depthwise
+/// convolution over the q, k and v channels, then per value head a state `[k_dim,
+/// v_dim]` that decays by `exp(g)` and takes a delta-rule update each token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaNetSpec {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    pub conv_kernel: usize,
+    /// Which key head a value head reads when there are more value heads.
+    pub v_order: HeadOrder,
+}
+
+/// How `v_heads` value heads share `k_heads` key heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadOrder {
+    /// Value head `j` reads key head `j / (v_heads / k_heads)` (Hugging Face).
+    Grouped,
+    /// Value head `j` reads key head `j % k_heads` (llama.cpp's converter reorders them).
+    Tiled,
+}
+
+impl DeltaNetSpec {
+    /// Channels the convolution runs over: q, k (`k_heads * k_dim` each) and v.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+    }
+
+    /// The key head value head `j` reads.
+    pub fn k_head(&self, j: usize) -> usize {
+        match self.v_order {
+            HeadOrder::Grouped => j / (self.v_heads / self.k_heads),
+            HeadOrder::Tiled => j % self.k_heads,
+        }
+    }
+
+    /// Floats of one sequence's state: the convolution's last `conv_kernel - 1` inputs,
+    /// then every value head's `[k_dim, v_dim]`.
+    pub fn state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim() + self.v_heads * self.k_dim * self.v_dim
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -272,6 +335,9 @@ pub struct LayerSpec {
     /// have both a dense MLP and experts).
     pub mlp: Option<usize>,
     pub moe: Option<MoeSpec>,
+    /// A Gated DeltaNet in place of attention (Qwen3.5's linear layers); `attention`
+    /// then describes the model's full-attention layers, not this one.
+    pub linear: Option<DeltaNetSpec>,
 }
 
 /// Gemma 4's per-layer embeddings (PLE).

@@ -8,6 +8,7 @@
 //! to run and independent of the thread count and the ISA.
 
 pub mod attention;
+pub mod delta;
 pub mod dot;
 mod isa;
 pub mod matmul;

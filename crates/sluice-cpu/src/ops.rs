@@ -60,10 +60,16 @@ pub fn silu(x: f32) -> f32 {
 }
 
 #[inline(always)]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp_fast(-x))
+}
+
+#[inline(always)]
 pub fn activate(act: Activation, x: f32) -> f32 {
     match act {
         Activation::Silu => silu(x),
         Activation::GeluTanh => gelu_tanh(x),
+        Activation::Sigmoid => sigmoid(x),
     }
 }
 
@@ -72,6 +78,7 @@ pub fn activate_slice(act: Activation, x: &mut [f32]) {
     match act {
         Activation::Silu => x.iter_mut().for_each(|v| *v = silu(*v)),
         Activation::GeluTanh => x.iter_mut().for_each(|v| *v = gelu_tanh(*v)),
+        Activation::Sigmoid => x.iter_mut().for_each(|v| *v = sigmoid(*v)),
     }
 }
 
@@ -80,6 +87,7 @@ pub fn glu(act: Activation, gate: &mut [f32], up: &[f32]) {
     match act {
         Activation::Silu => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = silu(*g) * u),
         Activation::GeluTanh => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = gelu_tanh(*g) * u),
+        Activation::Sigmoid => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = sigmoid(*g) * u),
     }
 }
 

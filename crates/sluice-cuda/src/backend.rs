@@ -5,7 +5,9 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
 use sluice_core::{Activation, Error, Glu, Result, RopeSpec, RopeStyle, RouterKind};
-use sluice_engine::backend::{AttnOp, Backend, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols};
+use sluice_engine::backend::{
+    AttnOp, Backend, DeltaOp, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols,
+};
 use sluice_engine::batch::{Batch, RowPrecision, SeqRows};
 use sluice_experts::{ExpertLease, ExpertStore, FetchMode};
 use sluice_formats::TensorView;
@@ -507,6 +509,7 @@ fn act_code(a: Activation) -> i32 {
     match a {
         Activation::Silu => 0,
         Activation::GeluTanh => 1,
+        Activation::Sigmoid => 2,
     }
 }
 
@@ -641,6 +644,24 @@ impl Backend for Cuda {
         launch!(&self.dev, "columns", elementwise(n);
             self.p(&x.buf), x.cols as i32, start as i32, len as i32, self.p(&out.buf), n as i64)?;
         Ok(out)
+    }
+
+    fn delta_net(&self, _op: &DeltaOp<'_, Self>) -> Result<(DevAct, Vec<DevAct>)> {
+        Err(Error::Unsupported(
+            "Gated DeltaNet layers (Qwen3.5's linear attention) do not run on the CUDA backend yet: use --backend cpu"
+                .into(),
+        ))
+    }
+
+    fn scale_rows(&self, x: &mut DevAct, s: &DevAct) -> Result<()> {
+        if s.rows != x.rows || s.cols != 1 {
+            return Err(Error::Unsupported(format!("scale_rows: a {}x{} scale for {} rows", s.rows, s.cols, x.rows)));
+        }
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        launch!(&self.dev, "scale_rows", elementwise(n); self.p(&x.buf), self.p(&s.buf), x.cols as i32, n as i64)
     }
 
     fn copy_columns(&self, dst: &mut DevAct, to: HeadCols, src: &DevAct, from: HeadCols) -> Result<()> {

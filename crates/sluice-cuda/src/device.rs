@@ -530,6 +530,7 @@ fn kernel_names(unit: Unit) -> Vec<String> {
             "scale",
             "mul_row",
             "add_row",
+            "scale_rows",
             "activate",
             "softcap",
             "glu",

@@ -372,13 +372,17 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
 }
 // Activation codes: 0 SiLU, 1 GELU (tanh).
-__device__ __forceinline__ float act(int a, float x) { return a == 0 ? silu(x) : gelu_tanh(x); }
+// 0 SiLU, 1 GELU (tanh), 2 sigmoid.
+__device__ __forceinline__ float act(int a, float x) {
+    return a == 0 ? silu(x) : a == 1 ? gelu_tanh(x) : 1.0f / (1.0f + expf(-x));
+}
 
 extern "C" __global__ void add(float* x, const float* y, long long n) { EACH(n) x[i] += y[i]; }
 extern "C" __global__ void mul(float* x, const float* y, long long n) { EACH(n) x[i] *= y[i]; }
 extern "C" __global__ void scale(float* x, float s, long long n) { EACH(n) x[i] *= s; }
 extern "C" __global__ void mul_row(float* x, const float* v, int cols, long long n) { EACH(n) x[i] *= v[i % cols]; }
 extern "C" __global__ void add_row(float* x, const float* v, int cols, long long n) { EACH(n) x[i] += v[i % cols]; }
+extern "C" __global__ void scale_rows(float* x, const float* s, int cols, long long n) { EACH(n) x[i] *= s[i / cols]; }
 extern "C" __global__ void activate(float* x, int a, long long n) { EACH(n) x[i] = act(a, x[i]); }
 extern "C" __global__ void softcap(float* x, float cap, long long n) { EACH(n) x[i] = tanhf(x[i] / cap) * cap; }
 // glu: 0/1 gated with that activation; 2 gpt-oss's clamped SwiGLU.

@@ -2,11 +2,11 @@
 //! families share: attention and the gated MLP. Each is written once against
 //! [`Backend`]; the routed experts are in `moe.rs`.
 
-use sluice_core::{AttentionSpec, Error, Glu, Result};
+use sluice_core::{Activation, AttentionSpec, Error, Glu, Result, RopeSpec};
 use sluice_experts::ExpertStore;
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
-use crate::backend::{AttnOp, Backend, Norm};
+use crate::backend::{AttnOp, Backend, HeadCols, Norm};
 use crate::batch::Batch;
 use crate::pilot::Pilot;
 use crate::state::SeqState;
@@ -20,9 +20,9 @@ pub struct Cx<'a, B: Backend> {
     pub batch: &'a Batch,
     /// Each sequence's state, in batch order.
     pub(crate) states: &'a [&'a SeqState<B>],
-    /// This step's keys and values per layer (all rows), appended to each
-    /// sequence's cache once every layer has run.
-    pub(crate) pending: Vec<Option<(B::Act, B::Act)>>,
+    /// What each layer's state takes from this step, applied to each sequence once
+    /// every layer has run (and nothing has failed).
+    pub(crate) pending: Vec<Option<Pending<B>>>,
     pub(crate) store: &'a ExpertStore,
     pub(crate) timers: &'a mut Timers,
     pub(crate) pilot: Option<Pilot<'a, B>>,
@@ -30,6 +30,14 @@ pub struct Cx<'a, B: Backend> {
     pub(crate) norm_offset: f32,
     /// Set when an expert read failed: the sequences (batch indices) it stops.
     pub(crate) affected: Option<Vec<usize>>,
+}
+
+/// A layer's contribution to the sequences' state from one step.
+pub enum Pending<B: Backend> {
+    /// Keys and values of every row, appended to each sequence's cache.
+    Kv(B::Act, B::Act),
+    /// Each sequence's new recurrent state, in batch order (taken as it is applied).
+    Recurrent(Vec<Option<B::Act>>),
 }
 
 impl<'a, B: Backend> Cx<'a, B> {
@@ -115,7 +123,8 @@ impl<B: Backend> Attention<B> {
         Ok(Attention {
             layer,
             spec: spec.clone(),
-            q: load_mat(be, ckpt, id(TensorKind::AttnQ), qd, hidden)?,
+            // With an output gate, each head's query rows are followed by its gate's.
+            q: load_mat(be, ckpt, id(TensorKind::AttnQ), if spec.output_gate { 2 * qd } else { qd }, hidden)?,
             k: own_kv.then(|| load_mat(be, ckpt, id(TensorKind::AttnK), kvd, hidden)).transpose()?,
             v: (own_kv && !spec.k_eq_v).then(|| load_mat(be, ckpt, id(TensorKind::AttnV), kvd, hidden)).transpose()?,
             o: load_mat(be, ckpt, id(TensorKind::AttnOut), hidden, qd)?,
@@ -140,13 +149,26 @@ impl<B: Backend> Attention<B> {
             [Some(&self.q), self.k.as_ref(), self.k.as_ref().and(self.v.as_ref())].into_iter().flatten().collect();
         let mut proj = be.matmul_many(h, &ws)?.into_iter();
         let mut q = proj.next().expect("q");
+        // Split each head's [query, gate] rows apart.
+        let gate = match s.output_gate {
+            true => {
+                let rows = be.n_rows(&q);
+                let (mut query, mut gate) = (be.zeros(rows, s.q_dim())?, be.zeros(rows, s.q_dim())?);
+                let part = |start| HeadCols { heads: s.n_heads, start, len: hd };
+                be.copy_columns(&mut query, part(0), &q, part(0))?;
+                be.copy_columns(&mut gate, part(0), &q, part(hd))?;
+                q = query;
+                Some(gate)
+            }
+            false => None,
+        };
         if let Some(b) = &self.biases {
             be.add_row(&mut q, &b[0])?;
         }
         if let Some(w) = &self.q_norm {
             cx.norm(&mut q, w, hd)?;
         }
-        be.rope(&mut q, hd, cx.batch, &s.rope)?;
+        rope_heads(cx, &mut q, s.n_heads, hd, &s.rope)?;
 
         if self.k.is_some() {
             let mut k = proj.next().expect("k");
@@ -169,21 +191,43 @@ impl<B: Backend> Attention<B> {
             if s.v_norm {
                 cx.norm_plain(&mut v, hd)?;
             }
-            be.rope(&mut k, hd, cx.batch, &s.rope)?;
-            cx.pending[self.layer] = Some((k, v));
+            rope_heads(cx, &mut k, s.n_kv_heads, hd, &s.rope)?;
+            cx.pending[self.layer] = Some(Pending::Kv(k, v));
         }
-        let (k, v) = cx.pending[src].as_ref().ok_or_else(|| {
-            Error::Unsupported(format!("layer {} reads the KV of layer {src}, which has none", self.layer))
-        })?;
+        let Some(Pending::Kv(k, v)) = cx.pending[src].as_ref() else {
+            return Err(Error::Unsupported(format!(
+                "layer {} reads the KV of layer {src}, which has none",
+                self.layer
+            )));
+        };
         let caches = cx.caches(src)?;
         let op = AttnOp { spec: s, q: &q, k, v, batch: cx.batch, caches: &caches, sinks: self.sinks.as_ref() };
-        let a = cx.timers.time(|t| &mut t.attention, || be.attention(&op))?;
+        let mut a = cx.timers.time(|t| &mut t.attention, || be.attention(&op))?;
+        if let Some(mut g) = gate {
+            be.activate(&mut g, Activation::Sigmoid)?;
+            be.mul(&mut a, &g)?;
+        }
         let mut o = be.matmul(&a, &self.o)?;
         if let Some(b) = &self.o_bias {
             be.add_row(&mut o, b)?;
         }
         Ok(o)
     }
+}
+
+/// RoPE on each of `heads` heads of `x`: on the whole head, or where `rope` covers
+/// fewer dims (`2 * inv_freq.len()`, Qwen3.5's partial rotary) on those first dims
+/// alone, as their own heads (NeoX halves of the rotated dims).
+fn rope_heads<B: Backend>(cx: &Cx<'_, B>, x: &mut B::Act, heads: usize, hd: usize, rope: &RopeSpec) -> Result<()> {
+    let (be, rot) = (cx.be, 2 * rope.inv_freq.len());
+    if rot >= hd {
+        return be.rope(x, hd, cx.batch, rope);
+    }
+    let mut r = be.zeros(be.n_rows(x), heads * rot)?;
+    let first = HeadCols { heads, start: 0, len: rot };
+    be.copy_columns(&mut r, first, x, first)?;
+    be.rope(&mut r, rot, cx.batch, rope)?;
+    be.copy_columns(x, first, &r, first)
 }
 
 /// `down(glu(gate(h), up(h)))`.

@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod batch;
 pub mod blocks;
+pub mod delta_net;
 pub mod families;
 pub mod memory;
 pub mod mla;

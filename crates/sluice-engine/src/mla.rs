@@ -22,7 +22,7 @@ use sluice_core::{AttentionSpec, MlaSpec, Result};
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
 use crate::backend::{AttnOp, Backend, HeadCols, Norm};
-use crate::blocks::{Cx, load_mat, load_vector};
+use crate::blocks::{Cx, Pending, load_mat, load_vector};
 
 /// How the queries are made.
 enum Query<B: Backend> {
@@ -126,7 +126,7 @@ impl<B: Backend> Mla<B> {
         let op =
             AttnOp { spec: &self.spec, q: &q_lat, k: &key, v: &value, batch: cx.batch, caches: &caches, sinks: None };
         let a = cx.timers.time(|t| &mut t.attention, || be.attention(&op))?;
-        cx.pending[self.layer] = Some((key, value));
+        cx.pending[self.layer] = Some(Pending::Kv(key, value));
 
         // Each head's weighted latent back out through its value projection.
         let mut o = be.zeros(rows, heads * dv)?;

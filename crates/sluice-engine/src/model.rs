@@ -16,8 +16,10 @@ use sluice_formats::Checkpoint;
 
 use crate::backend::{Backend, Cpu};
 use crate::batch::Batch;
-use crate::blocks::{Cx, check_tokens};
-use crate::families::{Network, deepseek::DeepSeek, gemma3::Gemma3, gemma4::Gemma4, gpt_oss::GptOss, llama::Llama};
+use crate::blocks::{Cx, Pending, check_tokens};
+use crate::families::{
+    Network, deepseek::DeepSeek, gemma3::Gemma3, gemma4::Gemma4, gpt_oss::GptOss, llama::Llama, qwen35::Qwen35,
+};
 use crate::pilot::{Pilot, PilotStats};
 use crate::state::{SeqState, StateSpec};
 use crate::stats::Timers;
@@ -136,6 +138,7 @@ impl<B: Backend> Model<B> {
             Family::Llama => Box::new(Llama::load(&be, ckpt)?),
             Family::GptOss => Box::new(GptOss::load(&be, ckpt)?),
             Family::DeepSeek => Box::new(DeepSeek::load(&be, ckpt)?),
+            Family::Qwen35 => Box::new(Qwen35::load(&be, ckpt)?),
         };
         let store =
             ExpertStore::open(ckpt, &opts.store, progress.as_mut().map(|p| &mut **p as &mut dyn FnMut(u64, u64)))?;
@@ -314,7 +317,7 @@ impl<B: Backend> Model<B> {
         let be = self.be.with_precision(batch.precision.clone());
         let piloting = self.prefetch == Prefetch::Pilot;
         let mut pilot_stats = PilotStats::default();
-        let (x, pending) = {
+        let (x, mut pending) = {
             let states: Vec<&SeqState<B>> = parts.iter().map(|p| &*chunks[p.chunk].state).collect();
             let mut cx = Cx {
                 be: &be,
@@ -355,11 +358,20 @@ impl<B: Backend> Model<B> {
         let logits = if rows.is_empty() { Vec::new() } else { self.logits(&be, &x, &rows, stats).map_err(fail)? };
 
         // Nothing failed: the sequences take their new keys and values.
-        for (p, s) in parts.iter().zip(&batch.seqs) {
+        for (i, (p, s)) in parts.iter().zip(&batch.seqs).enumerate() {
             let state = &mut *chunks[p.chunk].state;
-            for (layer, kv) in pending.iter().enumerate() {
-                if let (Some((k, v)), Some(cache)) = (kv, state.kv_mut(layer)) {
-                    be.kv_append(cache, k, v, *s).map_err(fail)?;
+            for (layer, p) in pending.iter_mut().enumerate() {
+                match p {
+                    Some(Pending::Kv(k, v)) => {
+                        if let Some(cache) = state.kv_mut(layer) {
+                            be.kv_append(cache, k, v, *s).map_err(fail)?;
+                        }
+                    }
+                    Some(Pending::Recurrent(next)) => {
+                        let next = next[i].take().expect("one recurrent state per sequence");
+                        state.set_recurrent(layer, next).map_err(fail)?;
+                    }
+                    None => {}
                 }
             }
             state.advance(p.len);

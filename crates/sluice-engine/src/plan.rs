@@ -227,7 +227,8 @@ impl Profile {
             add(h.dtype, &h.shape, Part::Head, 1, h.len_bytes());
         }
         let mut attention: Vec<AttnShape> = Vec::new();
-        for a in spec.layers.iter().map(|l| &l.attention) {
+        // Linear-attention layers keep a fixed-size state: no attention over positions.
+        for a in spec.layers.iter().filter(|l| l.linear.is_none()).map(|l| &l.attention) {
             let shape = AttnShape {
                 n_heads: a.n_heads,
                 n_kv_heads: a.n_kv_heads,

@@ -115,6 +115,24 @@ impl<B: Backend> SeqState<B> {
         }
     }
 
+    /// Layer `layer`'s recurrent state (a linear-attention layer's).
+    pub fn recurrent(&self, layer: usize) -> Result<&B::Act> {
+        match &self.layers[layer] {
+            LayerState::Recurrent(s) => Ok(s),
+            _ => Err(Error::Unsupported(format!("layer {layer} keeps no recurrent state"))),
+        }
+    }
+
+    pub(crate) fn set_recurrent(&mut self, layer: usize, next: B::Act) -> Result<()> {
+        match &mut self.layers[layer] {
+            LayerState::Recurrent(s) => {
+                *s = next;
+                Ok(())
+            }
+            _ => Err(Error::Unsupported(format!("layer {layer} keeps no recurrent state"))),
+        }
+    }
+
     pub(crate) fn kv_mut(&mut self, layer: usize) -> Option<&mut B::Kv> {
         match &mut self.layers[layer] {
             LayerState::Kv(c) | LayerState::Latent(c) => Some(c),

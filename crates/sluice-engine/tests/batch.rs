@@ -181,6 +181,13 @@ fn llama() {
     check_fixture("llama");
 }
 
+/// Recurrent states per sequence (each sequence's own convolution tail and matrices)
+/// beside a KV layer, in every residency.
+#[test]
+fn qwen35_moe() {
+    check_fixture("qwen3.5-moe");
+}
+
 /// The latent cache, the dense layer and the shared experts, in every residency.
 #[test]
 fn deepseek_v3() {

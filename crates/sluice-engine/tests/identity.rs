@@ -140,3 +140,13 @@ fn deepseek_v3() {
 fn deepseek_v3_gguf() {
     check_file("deepseek-v3", &fixture("deepseek-v3/deepseek-v3.gguf"));
 }
+
+#[test]
+fn qwen35_moe() {
+    check("qwen3.5-moe");
+}
+
+#[test]
+fn qwen35_moe_gguf() {
+    check_file("qwen3.5-moe", &fixture("qwen3.5-moe/qwen3.5-moe.gguf"));
+}

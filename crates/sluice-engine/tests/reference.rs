@@ -144,3 +144,19 @@ fn deepseek_v3() {
 fn deepseek_v3_gguf_from_llama_cpps_converter() {
     check_file("deepseek-v3", &fixtures().join("deepseek-v3/deepseek-v3.gguf"));
 }
+
+/// Gated DeltaNet layers (GQA over the value heads, a convolution longer than its
+/// first tokens) and a gated full-attention layer with partial RoPE, from the
+/// multimodal wrapper (its vision tower skipped); routed experts beside the gated
+/// shared expert.
+#[test]
+fn qwen35_moe() {
+    check("qwen3.5-moe");
+}
+
+/// llama.cpp's conversion: norms stored with their 1 + w, `ssm_a` as -exp(A_log), the
+/// value heads tiled over the key heads instead of grouped.
+#[test]
+fn qwen35_moe_gguf_from_llama_cpps_converter() {
+    check_file("qwen3.5-moe", &fixtures().join("qwen3.5-moe/qwen3.5-moe.gguf"));
+}

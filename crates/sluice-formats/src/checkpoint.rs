@@ -106,6 +106,9 @@ impl Checkpoint {
             Family::DeepSeek => {
                 crate::deepseek::split_kv_b(path, &spec, &mut tensors, |id| hf_name(Family::DeepSeek, &prefix, id))?
             }
+            Family::Qwen35 => {
+                crate::qwen35::derive(path, &prefix, &spec, &mut tensors, |id| hf_name(Family::Qwen35, &prefix, id))?
+            }
             _ => {}
         }
         // Byte tensors are read only as the parts of a format above.

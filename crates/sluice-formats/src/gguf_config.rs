@@ -19,14 +19,14 @@
 use std::collections::HashMap;
 
 use sluice_core::{
-    Activation, AttentionSpec, DType, Error, Family, Glu, LayerSpec, MlaSpec, ModelSpec, MoeSpec, PleSpec, Result,
-    RopeScaling, RopeSpec, RopeStyle, RouterKind,
+    Activation, AttentionSpec, DType, DeltaNetSpec, Error, Family, Glu, HeadOrder, LayerSpec, MlaSpec, ModelSpec,
+    MoeSpec, PleSpec, Result, RopeScaling, RopeSpec, RopeStyle, RouterKind, SharedExperts,
 };
 
 use crate::gguf::{GgufFile, GgufValue};
 use crate::names::{TensorId, TensorKind, gguf_name};
 
-pub const SUPPORTED: &str = "deepseek2, gemma3, gemma4, gpt-oss, llama, qwen2, qwen3, qwen3moe";
+pub const SUPPORTED: &str = "deepseek2, gemma3, gemma4, gpt-oss, llama, qwen2, qwen3, qwen35moe, qwen3moe";
 
 /// A frequency divisor at least this large leaves its rotary pair unrotated.
 const UNROTATED_FREQ_FACTOR: f32 = 1e20;
@@ -269,6 +269,7 @@ pub fn read(g: &GgufFile) -> Result<ModelSpec> {
         "gemma3" | "gemma4" => gemma(&m)?,
         "gpt-oss" => gpt_oss(&m)?,
         "deepseek2" => deepseek2(&m)?,
+        "qwen35moe" => qwen35moe(&m)?,
         other => {
             return Err(Error::UnknownArchitecture {
                 path: g.path().to_path_buf(),
@@ -419,9 +420,11 @@ fn llama_like(m: &Meta) -> Result<ModelSpec> {
                 sinks: false,
                 kv_source: None,
                 mla: None,
+                output_gate: false,
             },
             mlp: (!is_moe[i]).then_some(ffn[i]),
             moe: if is_moe[i] { moe.clone() } else { None },
+            linear: None,
         })
         .collect();
     let (bos, eos) = token_ids(m.g)?;
@@ -527,7 +530,7 @@ fn deepseek2(m: &Meta) -> Result<ModelSpec> {
             }
             moe.shared = match m.usize_opt("expert_shared_count")?.unwrap_or(0) {
                 0 => None,
-                s => Some(s * moe.intermediate),
+                s => Some(SharedExperts { intermediate: s * moe.intermediate, gated: false }),
             };
             Some(moe)
         }
@@ -565,15 +568,133 @@ fn deepseek2(m: &Meta) -> Result<ModelSpec> {
                     sinks: false,
                     kv_source: None,
                     mla: Some(mla),
+                    output_gate: false,
                 },
                 mlp,
                 moe: if i < dense { None } else { moe.clone() },
+                linear: None,
             })
         })
         .collect::<Result<Vec<_>>>()?;
     let (bos, eos) = token_ids(m.g)?;
     Ok(ModelSpec {
         family: Family::DeepSeek,
+        arch: m.arch.to_string(),
+        vocab_size: b.vocab,
+        hidden_size: b.hidden,
+        rms_norm_eps: b.eps,
+        activation: Activation::Silu,
+        embed_scale: 1.0,
+        norm_weight_offset: 0.0,
+        final_logit_softcap: None,
+        tie_word_embeddings: !m.has(TensorId::model(TensorKind::Output)),
+        max_context: b.max_context,
+        layers,
+        ple: None,
+        bos_token_id: bos,
+        eos_token_ids: eos,
+        weight_dtype: None,
+    })
+}
+
+/// Qwen3.5-MoE as llama.cpp's converter writes it (`qwen35moe`): the DeltaNet
+/// geometry in `ssm.*` (`group_count` key heads, `time_step_rank` value heads,
+/// `state_size` the key dim, `inner_size` all value dims), which layers recur in
+/// `attention.recurrent_layers` (else every `full_attention_interval`-th is full), the
+/// partial RoPE in `rope.dimension_count`. The converter stores the norms with their
+/// `1 +` added (all but `ssm_norm`), `ssm_a` as `-exp(A_log)`, and the value heads
+/// tiled over the key heads rather than grouped; the layers it appends for multi-token
+/// prediction (`nextn_predict_layers`) are not run.
+fn qwen35moe(m: &Meta) -> Result<ModelSpec> {
+    let b = base(m)?;
+    let mtp = m.usize_opt("nextn_predict_layers")?.unwrap_or(0);
+    if mtp >= b.n_layers {
+        return Err(m.err(format!("'{}' ({mtp}) leaves no layers to run", m.key("nextn_predict_layers"))));
+    }
+    let n_layers = b.n_layers - mtp;
+    let head_dim = m.usize("attention.key_length")?;
+    let (k_heads, v_heads) = (m.usize("ssm.group_count")?, m.usize("ssm.time_step_rank")?);
+    let inner = m.usize("ssm.inner_size")?;
+    if k_heads == 0 || v_heads == 0 || v_heads % k_heads != 0 || inner % v_heads != 0 {
+        return Err(m.err(format!(
+            "'{}' ({v_heads}) must be a positive multiple of '{}' ({k_heads}) and divide '{}' ({inner})",
+            m.key("ssm.time_step_rank"),
+            m.key("ssm.group_count"),
+            m.key("ssm.inner_size")
+        )));
+    }
+    let linear = DeltaNetSpec {
+        k_heads,
+        v_heads,
+        k_dim: m.usize("ssm.state_size")?,
+        v_dim: inner / v_heads,
+        conv_kernel: m.usize("ssm.conv_kernel")?,
+        v_order: HeadOrder::Tiled,
+    };
+    if linear.k_dim == 0 || linear.conv_kernel == 0 {
+        return Err(m.err(format!(
+            "'{}' and '{}' must be positive",
+            m.key("ssm.state_size"),
+            m.key("ssm.conv_kernel")
+        )));
+    }
+    let recurrent: Vec<bool> = match m.g.get(&m.key("attention.recurrent_layers")) {
+        Some(GgufValue::Array(items)) if items.len() >= n_layers => items[..n_layers]
+            .iter()
+            .map(|v| v.as_bool())
+            .collect::<Option<_>>()
+            .ok_or_else(|| m.err(format!("'{}' must be an array of bools", m.key("attention.recurrent_layers"))))?,
+        Some(_) => {
+            return Err(m.err(format!(
+                "'{}' must hold a bool for each of {n_layers} layers",
+                m.key("attention.recurrent_layers")
+            )));
+        }
+        None => {
+            let interval = m.usize_opt("full_attention_interval")?.unwrap_or(4).max(1);
+            (0..n_layers).map(|i| (i + 1) % interval != 0).collect()
+        }
+    };
+    let rot = m.usize("rope.dimension_count")?;
+    let theta = m.f32_opt("rope.freq_base")?.unwrap_or(10_000.0);
+    let rope = m.rope(RopeStyle::Half, theta, rot, rot, &RopeScaling::None, None)?;
+    if rot > head_dim {
+        return Err(m.err(format!("the RoPE dimension count {rot} is more than the head dim {head_dim}")));
+    }
+    let experts = Experts { router: RouterKind::Softmax { normalize_top_k: true }, glu: Glu::Gated(Activation::Silu) };
+    let mut moe = m.moe(experts, Some(0))?.expect("every qwen35moe layer has experts");
+    moe.router = RouterKind::Softmax { normalize_top_k: true };
+    moe.shared = match m.usize_opt("expert_shared_feed_forward_length")?.unwrap_or(0) {
+        0 => None,
+        i => Some(SharedExperts { intermediate: i, gated: true }),
+    };
+    let layers = (0..n_layers)
+        .map(|i| LayerSpec {
+            attention: AttentionSpec {
+                n_heads: b.n_heads[i],
+                n_kv_heads: b.n_kv[i],
+                head_dim,
+                window: None,
+                rope: rope.clone(),
+                scale: (head_dim as f32).powf(-0.5),
+                qk_norm: true,
+                v_norm: false,
+                k_eq_v: false,
+                qkv_bias: false,
+                o_bias: false,
+                sinks: false,
+                kv_source: None,
+                mla: None,
+                output_gate: true,
+            },
+            mlp: None,
+            moe: Some(moe.clone()),
+            linear: recurrent[i].then_some(linear),
+        })
+        .collect();
+    let (bos, eos) = token_ids(m.g)?;
+    Ok(ModelSpec {
+        family: Family::Qwen35,
         arch: m.arch.to_string(),
         vocab_size: b.vocab,
         hidden_size: b.hidden,
@@ -646,9 +767,11 @@ fn gpt_oss(m: &Meta) -> Result<ModelSpec> {
                 sinks: true,
                 kv_source: None,
                 mla: None,
+                output_gate: false,
             },
             mlp: None,
             moe: Some(moe.clone()),
+            linear: None,
         })
         .collect();
     let (bos, eos) = token_ids(m.g)?;
@@ -766,9 +889,11 @@ fn gemma(m: &Meta) -> Result<ModelSpec> {
                 sinks: false,
                 kv_source,
                 mla: None,
+                output_gate: false,
             },
             mlp: Some(ffn[i]),
             moe: if is_moe[i] { moe.clone() } else { None },
+            linear: None,
         });
     }
 

@@ -8,12 +8,12 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 use sluice_core::{
-    Activation, AttentionSpec, Error, Family, Glu, LayerSpec, MlaSpec, ModelSpec, MoeSpec, PleSpec, Result,
-    RopeScaling, RopeSpec, RopeStyle, RouterKind,
+    Activation, AttentionSpec, DeltaNetSpec, Error, Family, Glu, HeadOrder, LayerSpec, MlaSpec, ModelSpec, MoeSpec,
+    PleSpec, Result, RopeScaling, RopeSpec, RopeStyle, RouterKind, SharedExperts,
 };
 
-pub const SUPPORTED: &str =
-    "deepseek_v3, gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen2, qwen3, qwen3_moe";
+pub const SUPPORTED: &str = "deepseek_v3, gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen2, qwen3, \
+                             qwen3_moe, qwen3_5_moe, qwen3_5_moe_text";
 
 /// A JSON object with the file it came from, for errors that name both.
 #[derive(Clone, Copy)]
@@ -114,6 +114,7 @@ pub fn read(dir: &Path) -> Result<HfConfig> {
         "llama" | "qwen2" | "qwen3" | "qwen3_moe" => llama_like(&cfg, &model_type)?,
         "gpt_oss" => gpt_oss(&cfg)?,
         "deepseek_v3" => deepseek_v3(&cfg)?,
+        "qwen3_5_moe" | "qwen3_5_moe_text" => qwen35_moe(&cfg, &top)?,
         _ => {
             return Err(Error::UnknownArchitecture {
                 path,
@@ -257,9 +258,11 @@ fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
                     sinks: false,
                     kv_source: None,
                     mla: None,
+                    output_gate: false,
                 },
                 mlp: if sparse.is_some() { None } else { Some(intermediate) },
                 moe: sparse.map(|(m, _, _)| m.clone()),
+                linear: None,
             }
         })
         .collect();
@@ -374,9 +377,11 @@ fn gpt_oss(cfg: &Cfg) -> Result<ModelSpec> {
                 sinks: true,
                 kv_source: None,
                 mla: None,
+                output_gate: false,
             },
             mlp: None,
             moe: Some(moe.clone()),
+            linear: None,
         })
         .collect();
     Ok(ModelSpec {
@@ -489,7 +494,7 @@ fn deepseek_v3(cfg: &Cfg) -> Result<ModelSpec> {
         expert_bias: false,
         shared: match cfg.usize_opt("n_shared_experts")?.unwrap_or(1) {
             0 => None,
-            n => Some(n * moe_i),
+            n => Some(SharedExperts { intermediate: n * moe_i, gated: false }),
         },
     };
     let dense = cfg.usize_opt("first_k_dense_replace")?.unwrap_or(3);
@@ -510,6 +515,7 @@ fn deepseek_v3(cfg: &Cfg) -> Result<ModelSpec> {
         sinks: false,
         kv_source: None,
         mla: Some(mla),
+        output_gate: false,
     };
     if cfg.bool_opt("attention_bias")?.unwrap_or(false) {
         return Err(cfg.err("attention_bias = true is not supported for DeepSeek-V3".into()));
@@ -519,6 +525,7 @@ fn deepseek_v3(cfg: &Cfg) -> Result<ModelSpec> {
             attention: attention.clone(),
             mlp: (i < dense).then_some(intermediate),
             moe: (i >= dense).then(|| moe.clone()),
+            linear: None,
         })
         .collect();
     Ok(ModelSpec {
@@ -533,6 +540,138 @@ fn deepseek_v3(cfg: &Cfg) -> Result<ModelSpec> {
         final_logit_softcap: None,
         tie_word_embeddings: cfg.bool_opt("tie_word_embeddings")?.unwrap_or(false),
         max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(4096),
+        layers,
+        ple: None,
+        bos_token_id: cfg.ids("bos_token_id")?.first().copied(),
+        eos_token_ids: cfg.ids("eos_token_id")?,
+        weight_dtype: None,
+    })
+}
+
+/// Qwen3.5/3.6-MoE, as `Qwen3_5MoeTextConfig` reads it (inside the multimodal
+/// wrapper's `text_config`, or alone): `layer_types` (or every
+/// `full_attention_interval`-th layer full) says which layers are Gated DeltaNet; the
+/// full layers' attention is gated and rotates `partial_rotary_factor` of each head;
+/// every layer has routed experts (softmax, top-k always renormalised) beside a gated
+/// shared expert; every norm multiplies by 1 + w.
+fn qwen35_moe(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
+    let hidden = cfg.usize("hidden_size")?;
+    let n_layers = cfg.usize("num_hidden_layers")?;
+    let n_heads = cfg.usize_opt("num_attention_heads")?.unwrap_or(16);
+    let n_kv = cfg.usize_opt("num_key_value_heads")?.unwrap_or(2);
+    let head_dim = cfg.usize_opt("head_dim")?.unwrap_or(256);
+    if n_heads == 0 || n_kv == 0 || n_heads % n_kv != 0 {
+        return Err(cfg.err(format!(
+            "num_attention_heads ({n_heads}) must be a positive multiple of num_key_value_heads ({n_kv})"
+        )));
+    }
+    let linear = DeltaNetSpec {
+        k_heads: cfg.usize_opt("linear_num_key_heads")?.unwrap_or(16),
+        v_heads: cfg.usize_opt("linear_num_value_heads")?.unwrap_or(32),
+        k_dim: cfg.usize_opt("linear_key_head_dim")?.unwrap_or(128),
+        v_dim: cfg.usize_opt("linear_value_head_dim")?.unwrap_or(128),
+        conv_kernel: cfg.usize_opt("linear_conv_kernel_dim")?.unwrap_or(4),
+        v_order: HeadOrder::Grouped,
+    };
+    if linear.k_heads == 0 || linear.v_heads == 0 || !linear.v_heads.is_multiple_of(linear.k_heads) {
+        return Err(cfg.err(format!(
+            "linear_num_value_heads ({}) must be a positive multiple of linear_num_key_heads ({})",
+            linear.v_heads, linear.k_heads
+        )));
+    }
+    if linear.k_dim == 0 || linear.v_dim == 0 || linear.conv_kernel == 0 {
+        return Err(
+            cfg.err("linear_key_head_dim, linear_value_head_dim and linear_conv_kernel_dim must be positive".into())
+        );
+    }
+    let interval = cfg.usize_opt("full_attention_interval")?.unwrap_or(4).max(1);
+    let full: Vec<bool> = match cfg.get("layer_types") {
+        None => (0..n_layers).map(|i| (i + 1) % interval == 0).collect(),
+        Some(Value::Array(a)) if a.len() == n_layers => a
+            .iter()
+            .map(|v| match v.as_str() {
+                Some("full_attention") => Ok(true),
+                Some("linear_attention") => Ok(false),
+                _ => Err(cfg.err(format!("unknown layer type {v} in 'layer_types'"))),
+            })
+            .collect::<Result<_>>()?,
+        Some(v) => return Err(cfg.err(format!("'layer_types' must be a list of {n_layers} layer types, found {v}"))),
+    };
+    let rope_cfg = cfg.sub("rope_parameters")?;
+    let (theta, scaling) = rope_params(cfg, rope_cfg.as_ref(), 10000.0)?;
+    if scaling != RopeScaling::None {
+        return Err(cfg.err("RoPE scaling is not supported for Qwen3.5 (only the default RoPE)".into()));
+    }
+    let partial = match rope_cfg.as_ref().map(|r| r.f32_opt("partial_rotary_factor")).transpose()?.flatten() {
+        Some(p) => p,
+        None => cfg.f32_opt("partial_rotary_factor")?.unwrap_or(0.25),
+    };
+    let rot = (head_dim as f32 * partial) as usize;
+    if rot == 0 || !rot.is_multiple_of(2) || rot > head_dim {
+        return Err(
+            cfg.err(format!("partial_rotary_factor {partial} of head_dim {head_dim} is not an even number of dims"))
+        );
+    }
+    let n_experts = cfg.usize_opt("num_experts")?.unwrap_or(256);
+    let top_k = cfg.usize_opt("num_experts_per_tok")?.unwrap_or(8);
+    if top_k == 0 || top_k > n_experts {
+        return Err(cfg.err(format!("num_experts_per_tok ({top_k}) must be between 1 and num_experts ({n_experts})")));
+    }
+    let moe = MoeSpec {
+        n_experts,
+        top_k,
+        intermediate: cfg.usize_opt("moe_intermediate_size")?.unwrap_or(512),
+        router: RouterKind::Softmax { normalize_top_k: true },
+        glu: Glu::Gated(activation(cfg, "hidden_act", Activation::Silu)?),
+        expert_bias: false,
+        shared: match cfg.usize_opt("shared_expert_intermediate_size")?.unwrap_or(512) {
+            0 => None,
+            i => Some(SharedExperts { intermediate: i, gated: true }),
+        },
+    };
+    let attention = AttentionSpec {
+        n_heads,
+        n_kv_heads: n_kv,
+        head_dim,
+        window: None,
+        // RoPE over the first `rot` dims of each head, NeoX halves of those.
+        rope: RopeSpec::new(RopeStyle::Half, theta, rot, rot, &RopeScaling::None),
+        scale: (head_dim as f32).powf(-0.5),
+        qk_norm: true,
+        v_norm: false,
+        k_eq_v: false,
+        qkv_bias: cfg.bool_opt("attention_bias")?.unwrap_or(false),
+        o_bias: false,
+        sinks: false,
+        kv_source: None,
+        mla: None,
+        output_gate: true,
+    };
+    let layers = full
+        .iter()
+        .map(|&f| LayerSpec {
+            attention: attention.clone(),
+            mlp: None,
+            moe: Some(moe.clone()),
+            linear: (!f).then_some(linear),
+        })
+        .collect();
+    let tie = match top.bool_opt("tie_word_embeddings")? {
+        Some(t) => t,
+        None => cfg.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+    };
+    Ok(ModelSpec {
+        family: Family::Qwen35,
+        arch: "qwen3_5_moe".into(),
+        vocab_size: cfg.usize("vocab_size")?,
+        hidden_size: hidden,
+        rms_norm_eps: cfg.f32_opt("rms_norm_eps")?.unwrap_or(1e-6),
+        activation: activation(cfg, "hidden_act", Activation::Silu)?,
+        embed_scale: 1.0,
+        norm_weight_offset: 1.0,
+        final_logit_softcap: None,
+        tie_word_embeddings: tie,
+        max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(262_144),
         layers,
         ple: None,
         bos_token_id: cfg.ids("bos_token_id")?.first().copied(),
@@ -690,9 +829,11 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
                 sinks: false,
                 kv_source,
                 mla: None,
+                output_gate: false,
             },
             mlp: Some(intermediate * if double_wide && shared { 2 } else { 1 }),
             moe: moe.clone(),
+            linear: None,
         });
     }
 
@@ -795,9 +936,11 @@ fn gemma3(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
                     sinks: false,
                     kv_source: None,
                     mla: None,
+                    output_gate: false,
                 },
                 mlp: Some(intermediate),
                 moe: None,
+                linear: None,
             })
         })
         .collect::<Result<Vec<_>>>()?;

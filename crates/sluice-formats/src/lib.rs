@@ -13,6 +13,7 @@ pub mod hf_config;
 pub mod mapped;
 pub mod names;
 pub mod pack;
+mod qwen35;
 pub mod safetensors;
 pub mod synth;
 

@@ -47,6 +47,23 @@ pub enum TensorKind {
     AttnKvB,
     AttnKB,
     AttnVB,
+    // Gated DeltaNet (Qwen3.5's linear attention).
+    /// `[2 k_heads k_dim + v_heads v_dim, hidden]`: q, k and v before the convolution.
+    SsmQkv,
+    /// The output gate `[v_heads v_dim, hidden]`, beta's `[v_heads, hidden]` and the
+    /// decay's `[v_heads, hidden]` projections.
+    SsmZ,
+    SsmBeta,
+    SsmAlpha,
+    /// The depthwise convolution `[conv_dim, kernel]`.
+    SsmConv,
+    /// `-exp(A_log)` `[v_heads]` (GGUF stores it so; a Hugging Face folder's `A_log`
+    /// is turned into it at open), and the decay's bias.
+    SsmA,
+    SsmDtBias,
+    /// The gated output norm `[v_dim]` and the output projection.
+    SsmNorm,
+    SsmOut,
     // Feed-forward.
     FfnNorm,
     FfnGate,
@@ -67,10 +84,12 @@ pub enum TensorKind {
     /// Added to the router's scores only to choose experts (DeepSeek-V3's
     /// `e_score_correction_bias`).
     RouterChoiceBias,
-    /// The shared experts as one MLP (DeepSeek).
+    /// The shared experts as one MLP (DeepSeek, Qwen), and the `[1, hidden]`
+    /// projection whose sigmoid scales them (Qwen).
     ShexpGate,
     ShexpUp,
     ShexpDown,
+    ShexpGateInp,
     /// Experts fused in one 3-D tensor `[E, 2I, H]` (gate rows, then up rows).
     ExpsGateUp,
     ExpsGate,
@@ -126,6 +145,8 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
     // Gemma 4 keeps the router and experts beside the MLP; Qwen keeps them inside it.
     let moe = if gemma { "" } else { "mlp." };
     let gpt_oss = family == Family::GptOss;
+    // Qwen names its one shared expert in the singular.
+    let shexp = if family == Family::Qwen35 { "mlp.shared_expert" } else { "mlp.shared_experts" };
     let rel = match id.kind {
         AttnNorm => "input_layernorm.weight".to_string(),
         AttnQ => "self_attn.q_proj.weight".into(),
@@ -168,9 +189,21 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
         RouterScale => "router.scale".into(),
         RouterExpertScale => "router.per_expert_scale".into(),
         RouterChoiceBias => "mlp.gate.e_score_correction_bias".into(),
-        ShexpGate => "mlp.shared_experts.gate_proj.weight".into(),
-        ShexpUp => "mlp.shared_experts.up_proj.weight".into(),
-        ShexpDown => "mlp.shared_experts.down_proj.weight".into(),
+        ShexpGate => format!("{shexp}.gate_proj.weight"),
+        ShexpUp => format!("{shexp}.up_proj.weight"),
+        ShexpDown => format!("{shexp}.down_proj.weight"),
+        ShexpGateInp => "mlp.shared_expert_gate.weight".into(),
+        SsmQkv => "linear_attn.in_proj_qkv.weight".into(),
+        SsmZ => "linear_attn.in_proj_z.weight".into(),
+        SsmBeta => "linear_attn.in_proj_b.weight".into(),
+        SsmAlpha => "linear_attn.in_proj_a.weight".into(),
+        // Not in a folder as such: `Checkpoint` makes these from `conv1d.weight` [C, 1, K]
+        // and `A_log`.
+        SsmConv => "linear_attn.conv1d.weight_ck".into(),
+        SsmA => "linear_attn.a_neg".into(),
+        SsmDtBias => "linear_attn.dt_bias".into(),
+        SsmNorm => "linear_attn.norm.weight".into(),
+        SsmOut => "linear_attn.out_proj.weight".into(),
         ExpsGateUp => format!("{moe}experts.gate_up_proj"),
         ExpsGate => format!("{moe}experts.gate_proj"),
         ExpsUp => format!("{moe}experts.up_proj"),
@@ -250,6 +283,16 @@ pub fn gguf_name(id: TensorId) -> String {
         ShexpGate => "ffn_gate_shexp.weight".into(),
         ShexpUp => "ffn_up_shexp.weight".into(),
         ShexpDown => "ffn_down_shexp.weight".into(),
+        ShexpGateInp => "ffn_gate_inp_shexp.weight".into(),
+        SsmQkv => "attn_qkv.weight".into(),
+        SsmZ => "attn_gate.weight".into(),
+        SsmBeta => "ssm_beta.weight".into(),
+        SsmAlpha => "ssm_alpha.weight".into(),
+        SsmConv => "ssm_conv1d.weight".into(),
+        SsmA => "ssm_a".into(),
+        SsmDtBias => "ssm_dt.bias".into(),
+        SsmNorm => "ssm_norm.weight".into(),
+        SsmOut => "ssm_out.weight".into(),
         ExpsGateUp => "ffn_gate_up_exps.weight".into(),
         ExpsGate => "ffn_gate_exps.weight".into(),
         ExpsUp => "ffn_up_exps.weight".into(),

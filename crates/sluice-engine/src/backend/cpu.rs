@@ -2,12 +2,13 @@
 //! put them (the mapped files or sluice's copy), kernels from `sluice-cpu`.
 
 use sluice_core::{Activation, Glu, MatRef, Precision, Result, RopeSpec};
+use sluice_cpu::delta::{DeltaRows, DeltaWeights, gated_delta_net};
 use sluice_cpu::router::RouteParams;
 use sluice_cpu::{AttnParams, AttnSeq, KvCache};
 use sluice_experts::{ExpertLease, ExpertStore, FetchMode};
 use sluice_formats::TensorView;
 
-use super::{AttnOp, Backend, ExpertFfn, HeadCols, Norm, RouterOp, check_head_cols};
+use super::{AttnOp, Backend, DeltaOp, ExpertFfn, HeadCols, Norm, RouterOp, check_head_cols};
 use crate::batch::{Batch, RowPrecision, SeqRows};
 
 /// A row-major `[rows, cols]` f32 matrix in host memory.
@@ -198,6 +199,39 @@ impl Backend for Cpu {
                 let (a, b) = (h * dw + to.start, h * sw + from.start);
                 d[a..a + to.len].copy_from_slice(&s[b..b + from.len]);
             }
+        }
+        Ok(())
+    }
+
+    fn delta_net(&self, op: &DeltaOp<'_, Self>) -> Result<(HostAct, Vec<HostAct>)> {
+        let spec = op.spec;
+        let (c, hv, width) = (spec.conv_dim(), spec.v_heads, spec.v_heads * spec.v_dim);
+        let mut out = HostAct::zeros(op.mixed.rows, width);
+        let w = DeltaWeights { conv: op.conv, a_neg: op.a_neg, dt_bias: op.dt_bias };
+        let mut states = Vec::with_capacity(op.states.len());
+        for (s, state) in op.batch.seqs.iter().zip(op.states) {
+            let (lo, hi) = (s.first, s.first + s.rows);
+            let rows = DeltaRows {
+                mixed: &op.mixed.data[lo * c..hi * c],
+                b: &op.b.data[lo * hv..hi * hv],
+                a: &op.a.data[lo * hv..hi * hv],
+            };
+            let mut next = (*state).clone();
+            gated_delta_net(spec, &w, &rows, &mut next.data, &mut out.data[lo * width..hi * width]);
+            states.push(next);
+        }
+        Ok((out, states))
+    }
+
+    fn scale_rows(&self, x: &mut HostAct, s: &HostAct) -> Result<()> {
+        if s.rows != x.rows || s.cols != 1 {
+            return Err(sluice_core::Error::Unsupported(format!(
+                "scale_rows: a {}x{} scale for {} rows",
+                s.rows, s.cols, x.rows
+            )));
+        }
+        for (row, &f) in x.data.chunks_mut(x.cols.max(1)).zip(&s.data) {
+            row.iter_mut().for_each(|v| *v *= f);
         }
         Ok(())
     }

@@ -14,7 +14,7 @@ mod cpu;
 
 pub use cpu::{Cpu, HostAct, HostRouting};
 
-use sluice_core::{Activation, AttentionSpec, Error, Glu, Result, RopeSpec, RouterKind};
+use sluice_core::{Activation, AttentionSpec, DeltaNetSpec, Error, Glu, Result, RopeSpec, RouterKind};
 use sluice_experts::ExpertStore;
 use sluice_formats::TensorView;
 
@@ -64,6 +64,26 @@ pub fn check_head_cols(dst: (usize, usize), to: HeadCols, src: (usize, usize), f
         )));
     }
     Ok(())
+}
+
+/// One step of a Gated DeltaNet layer over a batch (Qwen3.5's linear attention):
+/// each sequence's rows run through the layer's causal convolution and gated
+/// delta-rule recurrence from its state (see `sluice_cpu::delta`).
+pub struct DeltaOp<'a, B: Backend> {
+    pub spec: &'a DeltaNetSpec,
+    /// `[rows, conv_dim]`: the q, k and v projections before the convolution.
+    pub mixed: &'a B::Act,
+    /// `[rows, v_heads]`: the pre-activations of beta and of the decay.
+    pub b: &'a B::Act,
+    pub a: &'a B::Act,
+    /// `[conv_dim * conv_kernel]`, channel-major.
+    pub conv: &'a B::Vector,
+    /// `-exp(A_log)` and the decay's bias, `[v_heads]` each.
+    pub a_neg: &'a B::Vector,
+    pub dt_bias: &'a B::Vector,
+    pub batch: &'a Batch,
+    /// Each sequence's state before the step, in batch order.
+    pub states: &'a [&'a B::Act],
 }
 
 /// A router: how its logits become each row's experts and weights.
@@ -176,6 +196,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Appends one sequence's rows `seq` of `k` and `v` to its cache.
     fn kv_append(&self, kv: &mut Self::Kv, k: &Self::Act, v: &Self::Act, seq: SeqRows) -> Result<()>;
     fn attention(&self, op: &AttnOp<'_, Self>) -> Result<Self::Act>;
+    /// A Gated DeltaNet step: `[rows, v_heads * v_dim]` and each sequence's new state
+    /// (the old ones are left as they were, for a step that fails later).
+    fn delta_net(&self, op: &DeltaOp<'_, Self>) -> Result<(Self::Act, Vec<Self::Act>)>;
+    /// Multiplies every row `i` of `x` by `s[i, 0]` (`s` is `[rows, 1]`).
+    fn scale_rows(&self, x: &mut Self::Act, s: &Self::Act) -> Result<()>;
 
     /// Routes every row of `logits` (`[rows, n_experts]`).
     fn route(&self, logits: &Self::Act, router: &RouterOp<Self>) -> Result<Self::Routing>;

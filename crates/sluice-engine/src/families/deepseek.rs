@@ -42,7 +42,7 @@ impl<B: Backend> Block<B> for Layer<B> {
             (Some(m), _) => Ffn::Sparse {
                 // The router reads the FFN's normed input.
                 experts: Moe::load(be, ckpt, i, RouterInput::Norm(norm(TensorKind::FfnNorm)?))?,
-                shared: m.shared.map(|inter| Mlp::load_shared(be, ckpt, i, inter)).transpose()?,
+                shared: m.shared.map(|sh| Mlp::load_shared(be, ckpt, i, sh.intermediate)).transpose()?,
             },
             (None, Some(inter)) => Ffn::Dense(Mlp::load(be, ckpt, i, inter)?),
             (None, None) => unreachable!("a DeepSeek layer has an MLP or experts"),

@@ -7,6 +7,7 @@ pub mod gemma3;
 pub mod gemma4;
 pub mod gpt_oss;
 pub mod llama;
+pub mod qwen35;
 
 use sluice_core::{ModelSpec, Result};
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
