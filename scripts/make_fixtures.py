@@ -1136,7 +1136,7 @@ FIXTURES = {
     "gpt-oss": dict(build=build_gpt_oss, family="qwen", seed=7001, dtype=torch.float32, router_std=0.3, top_k=2, expert_gain=6.0, gguf="gpt-oss.gguf"),
     # The multimodal wrapper (text_config, a vision tower to skip), as Qwen3.5 MoE is published;
     # its GGUF by llama.cpp's converter (without MTP layers) reorders the value heads.
-    "qwen3.5-moe": dict(build=build_qwen35_moe, family="qwen", seed=9001, dtype=torch.float32, router_std=0.3, top_k=2, zero_centered=True, gguf="qwen3.5-moe.gguf"),
+    "qwen3.5-moe": dict(build=build_qwen35_moe, family="qwen", seed=9001, dtype=torch.float32, router_std=0.3, top_k=2, zero_centered=True, long=150, gguf="qwen3.5-moe.gguf"),
     "deepseek-v3": dict(build=build_deepseek_v3, family="qwen", seed=8001, dtype=torch.float32, router_std=0.3, top_k=2, gguf="deepseek-v3.gguf"),
     # As published: bf16, experts in MXFP4 (blocks and scales); llama.cpp's converter keeps MXFP4.
     "gpt-oss-mxfp4": dict(build=build_gpt_oss, family="qwen", seed=7002, dtype=torch.bfloat16, router_std=0.3, top_k=2, expert_gain=6.0, mxfp4=True, gguf="gpt-oss-mxfp4.gguf"),
@@ -1167,6 +1167,9 @@ def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer, lla
         randomize(model, seed, spec["router_std"], round_to, spec.get("expert_gain", 1.0), spec.get("zero_centered", False))
         if spec.get("mxfp4"):
             snap_experts_to_mxfp4(model)
+        if spec.get("long"):
+            spec["long_ids"] = base_tok.encode(CORPUS).ids[: spec["long"]]
+            assert len(spec["long_ids"]) == spec["long"]
         verdict = try_model(name, spec, folder, cls, model, ids)
         if verdict["ok"]:
             break
@@ -1187,6 +1190,10 @@ def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer, lla
         "text": SENTENCE,
         "text_ids": text_ids,
     }
+    if spec.get("long"):
+        (folder / "reference_long.f32").write_bytes(verdict["long"].numpy().astype("<f4").tobytes())
+        ref["long_tokens"] = spec["long_ids"]
+        ref["long_logits"] = "reference_long.f32"
     (folder / "reference.json").write_text(dump_json(ref))
     write_generation_config(folder, family)
     if spec.get("gguf"):
@@ -1268,6 +1275,10 @@ def try_model(name, spec, folder, cls, model, ids) -> dict:
     decode_diff = (dec - logits).abs().max().item()
 
     out = {"ok": True, "logits": logits, "decode_diff": decode_diff, "extra": semantics_notes(loaded)}
+    if spec.get("long"):
+        # A longer prompt: past Qwen3.5's 64-token chunks of the gated delta rule.
+        long_ids = spec["long_ids"]
+        out["long"] = full_logits(loaded, torch.tensor([long_ids], dtype=torch.long))
     if watch:
         out["router_min_gap"] = min(full_gap, dec_gap)
         out["router_where"] = watch.where

@@ -1019,6 +1019,10 @@ impl Backend for Cuda {
     fn n_rows(&self, x: &DevAct) -> usize {
         x.rows
     }
+
+    fn n_cols(&self, x: &DevAct) -> usize {
+        x.cols
+    }
 }
 
 #[cfg(test)]

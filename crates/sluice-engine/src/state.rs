@@ -68,12 +68,13 @@ impl<B: Backend> SeqState<B> {
         self.len == 0
     }
 
-    /// Bytes held by the KV and latent caches.
+    /// Bytes held by the KV and latent caches and the recurrent states.
     pub fn kv_bytes(&self, be: &B) -> usize {
         self.layers
             .iter()
             .map(|l| match l {
                 LayerState::Kv(c) | LayerState::Latent(c) => be.kv_bytes(c),
+                LayerState::Recurrent(s) => 4 * be.n_rows(s) * be.n_cols(s),
                 _ => 0,
             })
             .sum()

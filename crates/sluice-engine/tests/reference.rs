@@ -160,3 +160,31 @@ fn qwen35_moe() {
 fn qwen35_moe_gguf_from_llama_cpps_converter() {
     check_file("qwen3.5-moe", &fixtures().join("qwen3.5-moe/qwen3.5-moe.gguf"));
 }
+
+/// 150 tokens, which transformers' prompt path takes through the gated delta rule in
+/// chunks of 64 (sluice token by token): the prompt whole, and 100 tokens then 50
+/// decoded one at a time, from the folder and from the GGUF.
+#[test]
+fn qwen35_moe_long_prompt_across_chunks() {
+    let dir = fixtures().join("qwen3.5-moe");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let tokens: Vec<u32> = meta["long_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let bytes = std::fs::read(dir.join(meta["long_logits"].as_str().unwrap())).unwrap();
+    let want: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(tokens.len(), 150);
+    for path in [dir.clone(), dir.join("qwen3.5-moe.gguf")] {
+        let model = Model::open(&path).unwrap();
+        let mut s = model.session().unwrap();
+        let e = rel_err(&s.forward(&tokens, Logits::All).unwrap(), &want);
+        assert!(e <= 1e-3, "{}: 150-token prompt {e:e}", path.display());
+        let mut s = model.session().unwrap();
+        let mut got = s.forward(&tokens[..100], Logits::All).unwrap();
+        for &t in &tokens[100..] {
+            got.extend(s.forward(&[t], Logits::All).unwrap());
+        }
+        let e2 = rel_err(&got, &want);
+        assert!(e2 <= 1e-3, "{}: 100 + 50 decoded {e2:e}", path.display());
+        eprintln!("{}: 150 tokens {e:.2e}, 100 + 50 decoded {e2:.2e}", path.display());
+    }
+}

@@ -389,4 +389,8 @@ impl Backend for Cpu {
     fn n_rows(&self, x: &HostAct) -> usize {
         x.rows
     }
+
+    fn n_cols(&self, x: &HostAct) -> usize {
+        x.cols
+    }
 }

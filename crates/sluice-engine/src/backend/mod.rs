@@ -249,4 +249,5 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>>;
     fn n_rows(&self, x: &Self::Act) -> usize;
+    fn n_cols(&self, x: &Self::Act) -> usize;
 }
