@@ -210,6 +210,20 @@ fn synth_deepseek_runs_and_streams_identically() {
     streams_like_mapped(&model, &dir, None);
 }
 
+/// Qwen3.5-MoE's geometry: three Gated DeltaNet layers and a gated full-attention one,
+/// experts beside a gated shared expert; streamed bitwise as mapped.
+#[test]
+fn synth_qwen35_runs_and_streams_identically() {
+    let dir = scratch("qwen3.5");
+    let model = dir.join("qwen3.5.gguf");
+    ok(&["synth", "--geometry", "tiny-qwen3.5", "--quant", "q8_0", "--skew", "0.9", "--out", s(&model)]);
+    let ckpt = Checkpoint::open(&model).unwrap();
+    assert_eq!(ckpt.spec.family, sluice_core::Family::Qwen35);
+    let linear: Vec<bool> = ckpt.spec.layers.iter().map(|l| l.linear.is_some()).collect();
+    assert_eq!(linear, vec![true, true, true, false]);
+    streams_like_mapped(&model, &dir, None);
+}
+
 /// Per layer, the share of decode-step routing that went to the `n` experts the router
 /// bias ranks most popular.
 fn popular_share(model: &Path, bias_of: &Path, n: usize, dir: &Path) -> Vec<f64> {

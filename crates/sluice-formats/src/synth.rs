@@ -69,6 +69,24 @@ pub enum Arch {
     /// `deepseek2` (DeepSeek-V3): multi-head latent attention, dense first layers,
     /// sigmoid routing in groups with a correction bias beside shared experts.
     DeepSeek2(SynthMla),
+    /// `qwen35moe` (Qwen3.5-MoE): Gated DeltaNet layers with every `interval`-th
+    /// full (gated) attention, experts beside a gated shared expert.
+    Qwen35Moe(SynthDelta),
+}
+
+/// A Qwen3.5 geometry's linear-attention and shared-expert shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SynthDelta {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    pub conv_kernel: usize,
+    /// Layers `interval - 1`, `2 interval - 1`, ... are full attention.
+    pub interval: usize,
+    pub shared_ffn: usize,
+    /// Rotated dims of a full-attention head.
+    pub rope_dim: usize,
 }
 
 /// A DeepSeek geometry's attention and routing shapes.
@@ -237,6 +255,66 @@ impl Geometry {
                 vocab: 129280,
                 context: 163840,
                 rope_theta: 10000.0,
+                rms_eps: 1e-6,
+                softcap: None,
+                interleaved: None,
+            },
+            // Qwen/Qwen3.5-397B-A17B's shape as its model card gives it: 60 layers (15
+            // of them full attention), 512 experts of 1024, 10 routed and one shared.
+            Geometry {
+                name: "qwen3.5-397b-a17b",
+                arch: Arch::Qwen35Moe(SynthDelta {
+                    k_heads: 16,
+                    v_heads: 64,
+                    k_dim: 128,
+                    v_dim: 128,
+                    conv_kernel: 4,
+                    interval: 4,
+                    shared_ffn: 1024,
+                    rope_dim: 64,
+                }),
+                n_layers: 60,
+                full_layers: 60,
+                hidden: 4096,
+                n_heads: 32,
+                n_kv_heads: 2,
+                head_dim: 256,
+                n_experts: 512,
+                top_k: 10,
+                expert_ffn: 1024,
+                dense_ffn: 1024,
+                vocab: 248320,
+                context: 262144,
+                rope_theta: 1e7,
+                rms_eps: 1e-6,
+                softcap: None,
+                interleaved: None,
+            },
+            Geometry {
+                name: "tiny-qwen3.5",
+                arch: Arch::Qwen35Moe(SynthDelta {
+                    k_heads: 2,
+                    v_heads: 4,
+                    k_dim: 64,
+                    v_dim: 64,
+                    conv_kernel: 4,
+                    interval: 4,
+                    shared_ffn: 128,
+                    rope_dim: 16,
+                }),
+                n_layers: 4,
+                full_layers: 4,
+                hidden: 256,
+                n_heads: 4,
+                n_kv_heads: 2,
+                head_dim: 64,
+                n_experts: 16,
+                top_k: 4,
+                expert_ffn: 128,
+                dense_ffn: 128,
+                vocab: 512,
+                context: 4096,
+                rope_theta: 1e7,
                 rms_eps: 1e-6,
                 softcap: None,
                 interleaved: None,
@@ -731,6 +809,7 @@ fn metadata(o: &SynthOptions) -> Vec<(String, GgufValue)> {
         Arch::Gemma4 => "gemma4",
         Arch::GptOss => "gpt-oss",
         Arch::DeepSeek2(_) => "deepseek2",
+        Arch::Qwen35Moe(_) => "qwen35moe",
     };
     let key = |k: &str| format!("{a}.{k}");
     put("general.architecture", GgufValue::String(a.into()));
@@ -767,6 +846,21 @@ fn metadata(o: &SynthOptions) -> Vec<(String, GgufValue)> {
             put(&key("rope.scaling.yarn_beta_fast"), GgufValue::F32(32.0));
             put(&key("rope.scaling.yarn_beta_slow"), GgufValue::F32(1.0));
             put(&key("rope.scaling.yarn_log_multiplier"), GgufValue::F32(0.1));
+        }
+        (None, Arch::Qwen35Moe(d)) => {
+            // As llama.cpp's converter writes Qwen3.5-MoE (without its prediction layers).
+            put(&key("attention.head_count_kv"), u32v(g.n_kv_heads));
+            put(&key("rope.freq_base"), GgufValue::F32(g.rope_theta));
+            put(&key("attention.key_length"), u32v(g.head_dim));
+            put(&key("attention.value_length"), u32v(g.head_dim));
+            put(&key("rope.dimension_count"), u32v(d.rope_dim));
+            put(&key("ssm.conv_kernel"), u32v(d.conv_kernel));
+            put(&key("ssm.state_size"), u32v(d.k_dim));
+            put(&key("ssm.group_count"), u32v(d.k_heads));
+            put(&key("ssm.time_step_rank"), u32v(d.v_heads));
+            put(&key("ssm.inner_size"), u32v(d.v_heads * d.v_dim));
+            put(&key("full_attention_interval"), u32v(d.interval));
+            put(&key("expert_shared_feed_forward_length"), u32v(d.shared_ffn));
         }
         (None, _) => {
             put(&key("attention.head_count_kv"), u32v(g.n_kv_heads));
@@ -907,6 +1001,10 @@ fn tensors(o: &SynthOptions) -> Vec<SynthTensor> {
             }
             Arch::DeepSeek2(m) => {
                 deepseek_layer(&mut t, o, (l, m), out);
+                continue;
+            }
+            Arch::Qwen35Moe(d) => {
+                qwen35_layer(&mut t, o, (l, d), out);
                 continue;
             }
             _ => {}
@@ -1052,6 +1150,55 @@ fn deepseek_layer(t: &mut Tensors, o: &SynthOptions, (l, m): (usize, SynthMla), 
     t.mat(n("ffn_gate_shexp.weight"), q, &[s, h], 1.0);
     t.mat(n("ffn_up_shexp.weight"), q, &[s, h], 1.0);
     t.mat(n("ffn_down_shexp.weight"), q, &[h, s], out);
+}
+
+/// One Qwen3.5-MoE layer, in llama.cpp's converter's names (norms stored as the
+/// weights they multiply by): a Gated DeltaNet, or on every `interval`-th layer gated
+/// full attention with q/k norms; routed experts beside a shared expert and its gate.
+fn qwen35_layer(t: &mut Tensors, o: &SynthOptions, (l, d): (usize, SynthDelta), out: f32) {
+    let (g, q, tu) = (&o.geometry, o.quant, o.tuning);
+    let (h, e, i) = (g.hidden, g.n_experts, g.expert_ffn);
+    let n = |s: &str| format!("blk.{l}.{s}");
+    t.norm(n("attn_norm.weight"), h, 1.0);
+    if (l + 1) % d.interval != 0 {
+        let (kd, vd) = (d.k_heads * d.k_dim, d.v_heads * d.v_dim);
+        let conv = 2 * kd + vd;
+        t.mat(n("attn_qkv.weight"), q, &[conv, h], 1.0);
+        t.mat(n("attn_gate.weight"), q, &[vd, h], 1.0);
+        t.push(n("ssm_beta.weight"), DType::F32, &[d.v_heads, h], Init::Random((h as f32).powf(-0.5)), None);
+        t.push(n("ssm_alpha.weight"), DType::F32, &[d.v_heads, h], Init::Random((h as f32).powf(-0.5)), None);
+        // A causal kernel that mostly passes the current input on.
+        t.push(n("ssm_conv1d.weight"), DType::F32, &[conv, d.conv_kernel], Init::Random(0.5), None);
+        // Decay rates between e^-0.5 and e^-8 a token's worth, as trained models spread them.
+        let a: Vec<f32> = (0..d.v_heads).map(|j| -(0.5 + 7.5 * j as f32 / d.v_heads as f32)).collect();
+        t.push(n("ssm_a"), DType::F32, &[d.v_heads], Init::Values(a), None);
+        t.push(n("ssm_dt.bias"), DType::F32, &[d.v_heads], Init::Random(0.5), None);
+        t.norm(n("ssm_norm.weight"), d.v_dim, 1.0);
+        t.mat(n("ssm_out.weight"), q, &[h, vd], out);
+    } else {
+        let (hd, qd, kvd) = (g.head_dim, g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim);
+        t.mat(n("attn_q.weight"), q, &[2 * qd, h], 1.0);
+        t.mat(n("attn_k.weight"), q, &[kvd, h], 1.0);
+        t.mat(n("attn_v.weight"), q, &[kvd, h], 1.0);
+        t.mat(n("attn_output.weight"), q, &[h, qd], out);
+        // q and k leave their norms at RMS w: the scores q·k·hd^-1/2 spread as w².
+        let qk = tu.score_std.sqrt();
+        t.norm(n("attn_q_norm.weight"), hd, qk);
+        t.norm(n("attn_k_norm.weight"), hd, qk);
+    }
+    t.norm(n("post_attention_norm.weight"), h, 1.0);
+    t.push(n("ffn_gate_inp.weight"), DType::F32, &[e, h], Init::Random(tu.router_std * (h as f32).powf(-0.5)), None);
+    if o.skew > 0.0 {
+        t.push(n("ffn_gate_inp.bias"), DType::F32, &[e], Init::Values(router_bias(e, o.skew, o.seed, l)), None);
+    }
+    t.experts(n("ffn_gate_exps.weight"), q, [e, i, h], 1.0, l, ExpertPart::Gate);
+    t.experts(n("ffn_up_exps.weight"), q, [e, i, h], 1.0, l, ExpertPart::Up);
+    t.experts(n("ffn_down_exps.weight"), q, [e, h, i], out, l, ExpertPart::Down);
+    let s = d.shared_ffn;
+    t.mat(n("ffn_gate_shexp.weight"), q, &[s, h], 1.0);
+    t.mat(n("ffn_up_shexp.weight"), q, &[s, h], 1.0);
+    t.mat(n("ffn_down_shexp.weight"), q, &[h, s], out);
+    t.push(n("ffn_gate_inp_shexp.weight"), DType::F32, &[1, h], Init::Random((h as f32).powf(-0.5)), None);
 }
 
 /// A fast generator (wyrand): 64 bits a multiply.
