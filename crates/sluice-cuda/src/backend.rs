@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
-use sluice_core::{Activation, Error, Glu, Result, RopeSpec, RopeStyle, RouterKind};
+use sluice_core::{Activation, Error, Glu, HeadOrder, Result, RopeSpec, RopeStyle, RouterKind};
 use sluice_engine::backend::{
     AttnOp, Backend, DeltaOp, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols,
 };
@@ -172,6 +172,10 @@ struct Constants {
     current: HashMap<Vec<u8>, CudaSlice<u8>>,
     retired: HashMap<Vec<u8>, CudaSlice<u8>>,
 }
+
+/// The most key dims a Gated DeltaNet head may have on the device (`kernels.cu`'s
+/// `DELTA_MAX_DK`: a thread holds a column of the head's state).
+const DELTA_MAX_DK: usize = 256;
 
 /// Distinct constants kept on the device before the cache of them starts again.
 const CONSTANTS_KEPT: usize = 1024;
@@ -646,11 +650,41 @@ impl Backend for Cuda {
         Ok(out)
     }
 
-    fn delta_net(&self, _op: &DeltaOp<'_, Self>) -> Result<(DevAct, Vec<DevAct>)> {
-        Err(Error::Unsupported(
-            "Gated DeltaNet layers (Qwen3.5's linear attention) do not run on the CUDA backend yet: use --backend cpu"
-                .into(),
-        ))
+    fn delta_net(&self, op: &DeltaOp<'_, Self>) -> Result<(DevAct, Vec<DevAct>)> {
+        let d = op.spec;
+        let (c, rows) = (d.conv_dim(), op.mixed.rows);
+        if d.k_dim > DELTA_MAX_DK || d.v_dim > 1024 {
+            return Err(Error::Unsupported(format!(
+                "cuda: Gated DeltaNet heads of {}x{} (at most {DELTA_MAX_DK} key and 1024 value dims)",
+                d.k_dim, d.v_dim
+            )));
+        }
+        let out = self.act(rows, d.v_heads * d.v_dim)?;
+        let next = op.states.iter().map(|_| self.act(1, d.state_len())).collect::<Result<Vec<_>>>()?;
+        let n_seqs = op.batch.seqs.len();
+        if rows == 0 || n_seqs == 0 {
+            return Ok((out, next));
+        }
+        let conv = self.act(rows, c)?;
+        let ins: Vec<u64> = op.states.iter().map(|s| self.p(&s.buf)).collect();
+        let outs: Vec<u64> = next.iter().map(|s| self.p(&s.buf)).collect();
+        let first: Vec<i32> = op.batch.seqs.iter().map(|s| s.first as i32).collect();
+        let lens: Vec<i32> = op.batch.seqs.iter().map(|s| s.rows as i32).collect();
+        let (ins, outs, first, lens) =
+            (self.constant(&ins)?, self.constant(&outs)?, self.constant(&first)?, self.constant(&lens)?);
+        launch!(&self.dev, "delta_conv", grid((c.div_ceil(128) as u32, n_seqs as u32), 128, 0);
+            self.p(&op.mixed.buf), self.p(&op.conv.dev), ins, outs, first, lens, c as i32, d.conv_kernel as i32,
+            self.p(&conv.buf))?;
+        let order = match d.v_order {
+            HeadOrder::Grouped => 0i32,
+            HeadOrder::Tiled => 1,
+        };
+        let skip = ((d.conv_kernel - 1) * c) as i64;
+        launch!(&self.dev, "delta_rule", grid((d.v_heads as u32, n_seqs as u32), d.v_dim.next_multiple_of(32) as u32, 0);
+            self.p(&conv.buf), self.p(&op.b.buf), self.p(&op.a.buf), self.p(&op.a_neg.dev), self.p(&op.dt_bias.dev),
+            ins, outs, first, lens, d.k_heads as i32, d.v_heads as i32, d.k_dim as i32, d.v_dim as i32, order, skip,
+            self.p(&out.buf))?;
+        Ok((out, next))
     }
 
     fn scale_rows(&self, x: &mut DevAct, s: &DevAct) -> Result<()> {

@@ -545,6 +545,8 @@ fn kernel_names(unit: Unit) -> Vec<String> {
             "kv_write",
             "attention",
             "attention_merge",
+            "delta_conv",
+            "delta_rule",
             "route_top_k",
             "plan_experts",
         ],

@@ -625,6 +625,78 @@ extern "C" __global__ void attention_merge(const float* part, const RowMeta* met
     }
 }
 
+// ---- Gated DeltaNet (Qwen3.5's linear attention), as sluice_cpu::delta ----
+
+// The causal depthwise convolution of each sequence's rows (silu after), and each
+// sequence's new convolution tail. A sequence's state starts with its last kern - 1
+// inputs, channel-minor. Grid (channel blocks, sequences), block 128.
+extern "C" __global__ void delta_conv(const float* mixed, const float* w, const unsigned long long* state_in,
+                                      const unsigned long long* state_out, const int* first, const int* rows, int c,
+                                      int kern, float* conv) {
+    int ch = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
+    if (ch >= c) return;
+    const float* st = (const float*)state_in[s];
+    float* so = (float*)state_out[s];
+    int f = first[s], n = rows[s], h = kern - 1;
+    // Input `i` of the window: the state's for i < kern - 1, then the sequence's rows.
+    #define WIN(i) ((i) < h ? st[(long long)(i) * c + ch] : mixed[(long long)(f + (i) - h) * c + ch])
+    for (int t = 0; t < n; t++) {
+        float acc = 0.0f;
+        for (int j = 0; j < kern; j++) acc += w[(long long)ch * kern + j] * WIN(t + j);
+        conv[(long long)(f + t) * c + ch] = silu(acc);
+    }
+    for (int r = 0; r < h; r++) so[(long long)r * c + ch] = WIN(n + r);
+    #undef WIN
+}
+
+#define DELTA_MAX_DK 256
+
+// The gated delta rule: one block per (value head, sequence), a thread per value dim
+// holding its column of the head's [dk, dv] state through the sequence's rows.
+// `order` 0: value head j reads key head j / (hv / hk); 1: j % hk.
+extern "C" __global__ void delta_rule(const float* conv, const float* b, const float* a, const float* a_neg,
+                                      const float* dt_bias, const unsigned long long* state_in,
+                                      const unsigned long long* state_out, const int* first, const int* rows, int hk,
+                                      int hv, int dk, int dv, int order, long long skip, float* out) {
+    int j = blockIdx.x, s = blockIdx.y, e = threadIdx.x;
+    if (e >= dv) return;
+    int kh = order == 0 ? j / (hv / hk) : j % hk;
+    long long c = 2LL * hk * dk + (long long)hv * dv;
+    const float* st = (const float*)state_in[s] + skip + (long long)j * dk * dv;
+    float* so = (float*)state_out[s] + skip + (long long)j * dk * dv;
+    float S[DELTA_MAX_DK];
+    for (int i = 0; i < dk; i++) S[i] = st[(long long)i * dv + e];
+    float scale = rsqrtf((float)dk);
+    int f = first[s], n = rows[s];
+    for (int t = 0; t < n; t++) {
+        const float* row = conv + (long long)(f + t) * c;
+        const float *q = row + (long long)kh * dk, *k = row + (long long)hk * dk + (long long)kh * dk;
+        float qs = 0.0f, ks = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            qs += q[i] * q[i];
+            ks += k[i] * k[i];
+        }
+        float qn = scale / sqrtf(qs + 1e-6f), kn = 1.0f / sqrtf(ks + 1e-6f);
+        long long r = (long long)(f + t) * hv + j;
+        float beta = 1.0f / (1.0f + expf(-b[r]));
+        float x = a[r] + dt_bias[j];
+        float decay = expf(a_neg[j] * (x > 20.0f ? x : log1pf(expf(x))));
+        float kv = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            S[i] *= decay;
+            kv += k[i] * kn * S[i];
+        }
+        float delta = (row[2LL * hk * dk + (long long)j * dv + e] - kv) * beta;
+        float o = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            S[i] += k[i] * kn * delta;
+            o += q[i] * qn * S[i];
+        }
+        out[r * dv + e] = o;
+    }
+    for (int i = 0; i < dk; i++) so[(long long)i * dv + e] = S[i];
+}
+
 // ---- Routing ----
 
 #define ROUTE_MAX_PER_LANE 8  // experts per lane: up to 256 experts

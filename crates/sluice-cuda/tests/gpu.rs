@@ -135,6 +135,7 @@ fn fixtures_against_transformers() {
         "gemma4-moe",
         "gpt-oss",
         "deepseek-v3",
+        "qwen3.5-moe",
     ];
     for name in names {
         let dir = fixtures().join(name);
@@ -297,7 +298,15 @@ fn routing_on_the_device_chooses_as_the_cpu() {
 fn long_sequences_against_the_cpu() {
     let Some(be) = gpu() else { return };
     // gpt-oss: its sinks join the split softmax in the merge.
-    for name in ["qwen3", "qwen3-moe", "gemma4-moe", "gpt-oss/gpt-oss.gguf", "deepseek-v3/deepseek-v3.gguf"] {
+    let names = [
+        "qwen3",
+        "qwen3-moe",
+        "gemma4-moe",
+        "gpt-oss/gpt-oss.gguf",
+        "deepseek-v3/deepseek-v3.gguf",
+        "qwen3.5-moe/qwen3.5-moe.gguf",
+    ];
+    for name in names {
         let ckpt = Checkpoint::open(&fixtures().join(name)).unwrap();
         let tokens: Vec<u32> = (0..240u32).map(|i| (i * 37 + 11) % 512).collect();
         let run = |gpu: Option<&Cuda>| -> Vec<f32> {
