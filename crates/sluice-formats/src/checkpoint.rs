@@ -7,7 +7,7 @@ use std::sync::Arc;
 use sluice_core::{DType, Error, Family, ModelSpec, MoeSpec, Result};
 
 use crate::gguf::{GgufFile, has_gguf_magic};
-use crate::mapped::TensorView;
+use crate::mapped::{TensorView, check_shape};
 use crate::names::{TensorId, TensorKind, gguf_name, hf_name};
 use crate::pack::{self, PackInfo};
 use crate::{gguf_config, hf_config, safetensors};
@@ -196,14 +196,7 @@ impl Checkpoint {
     /// A tensor that may be absent, but if present has exactly this shape.
     pub fn optional(&self, id: TensorId, shape: &[usize]) -> Result<Option<TensorView>> {
         let Some(t) = self.get(id) else { return Ok(None) };
-        if t.shape != shape {
-            return Err(Error::TensorShape {
-                path: t.path().to_path_buf(),
-                name: t.name.clone(),
-                expected: format!("shape {shape:?}"),
-                got: format!("shape {:?}", t.shape),
-            });
-        }
+        check_shape(t.path(), &t.name, &t.shape, shape)?;
         Ok(Some(t.clone()))
     }
 

@@ -14,7 +14,7 @@ use std::path::Path;
 
 use sluice_core::{Error, MlaSpec, ModelSpec, Result};
 
-use crate::mapped::{MappedFile, TensorView};
+use crate::mapped::{MappedFile, TensorView, check_shape};
 use crate::names::{TensorId, TensorKind};
 
 /// Adds `AttnKB` and `AttnVB` (named by `name`) for every layer that has a
@@ -50,15 +50,7 @@ pub(crate) fn split_kv_b(
 /// `v_b[h][e][c] = kv_b[h (nope + v) + nope + e][c]`.
 fn split(t: &TensorView, heads: usize, m: &MlaSpec) -> Result<(Vec<u8>, Vec<u8>)> {
     let (c, dn, dv) = (m.kv_lora_rank, m.nope_dim, m.v_dim);
-    let want = [heads * (dn + dv), c];
-    if t.shape != want {
-        return Err(Error::TensorShape {
-            path: t.path().to_path_buf(),
-            name: t.name.clone(),
-            expected: format!("shape {want:?}"),
-            got: format!("shape {:?}", t.shape),
-        });
-    }
+    check_shape(t.path(), &t.name, &t.shape, &[heads * (dn + dv), c])?;
     if t.dtype.is_quantized() {
         return Err(Error::Unsupported(format!(
             "{}: tensor '{}' is {}: a quantized kv_b cannot be split per head; convert the model with a llama.cpp \

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use sluice_core::cache::{cache_dir, fnv64};
 use sluice_core::{DType, Error, ModelSpec, Result};
 
-use crate::mapped::{MappedFile, TensorView};
+use crate::mapped::{MappedFile, TensorView, check_shape};
 use crate::safetensors::ByteTensor;
 
 /// Bumped whenever the rewritten layout changes, so older cache files are not read.
@@ -155,18 +155,6 @@ fn take_sources(
         out.push(Layer { base, e, i, h, source, bias });
     }
     Ok(out)
-}
-
-fn check_shape(path: &Path, name: &str, got: &[usize], want: &[usize]) -> Result<()> {
-    if got == want {
-        return Ok(());
-    }
-    Err(Error::TensorShape {
-        path: path.to_path_buf(),
-        name: name.to_string(),
-        expected: format!("shape {want:?}"),
-        got: format!("shape {got:?}"),
-    })
 }
 
 /// The rewritten tensors in file order, each at an aligned offset.

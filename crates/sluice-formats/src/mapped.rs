@@ -129,6 +129,19 @@ impl MappedFile {
     }
 }
 
+/// The error for tensor `name` of `path` whose shape is `got` where `want` belongs.
+pub(crate) fn check_shape(path: &Path, name: &str, got: &[usize], want: &[usize]) -> Result<()> {
+    if got == want {
+        return Ok(());
+    }
+    Err(Error::TensorShape {
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        expected: format!("shape {want:?}"),
+        got: format!("shape {got:?}"),
+    })
+}
+
 /// One tensor: its name in the source file, type, shape (outermost first) and the
 /// byte range that holds it.
 #[derive(Clone)]

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use sluice_core::{DType, Error, ModelSpec, Result};
 
-use crate::mapped::{MappedFile, TensorView};
+use crate::mapped::{MappedFile, TensorView, check_shape};
 use crate::names::{TensorId, TensorKind};
 
 /// Adds `SsmConv` and `SsmA` (named by `name`) for every linear layer, from
@@ -27,15 +27,7 @@ pub(crate) fn derive(
             tensors.get(&n).cloned().ok_or_else(|| Error::MissingTensor { path: path.to_path_buf(), name: n })
         };
         let conv = src(tensors, "conv1d.weight")?;
-        let want = [d.conv_dim(), 1, d.conv_kernel];
-        if conv.shape != want {
-            return Err(Error::TensorShape {
-                path: conv.path().to_path_buf(),
-                name: conv.name.clone(),
-                expected: format!("shape {want:?}"),
-                got: format!("shape {:?}", conv.shape),
-            });
-        }
+        check_shape(conv.path(), &conv.name, &conv.shape, &[d.conv_dim(), 1, d.conv_kernel])?;
         let shape = vec![d.conv_dim(), d.conv_kernel];
         let conv_ck = name(TensorId::layer(l, TensorKind::SsmConv));
         let view =
