@@ -84,8 +84,6 @@ pub fn place(ckpt: &Checkpoint, layout: &ExpertLayout, req: &Request) -> Result<
             }
             Residency::Mapped
         }
-        // Experts already in memory (rearranged at open) are served where they lie.
-        None if layout.in_memory() && budget.is_none() => Residency::Mapped,
         Some(Residency::Resident | Residency::Mapped) if budget.is_some() => {
             return Err(Error::Usage("--expert-cache goes with --residency streamed or auto".into()));
         }

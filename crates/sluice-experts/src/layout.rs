@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use sluice_core::{DType, Error, MatRef, Result};
-use sluice_formats::{Backing, Checkpoint, ExpertMats, MappedFile, TensorView};
+use sluice_formats::{Checkpoint, ExpertMats, MappedFile, TensorView};
 
 use crate::io::{ALIGN, align_down, align_up};
 
@@ -141,13 +141,6 @@ impl ExpertLayout {
             out.push(Some(LayerExperts { experts, top_k, plans, slot_bytes }));
         }
         Ok(ExpertLayout { layers: out, files })
-    }
-
-    /// Whether some experts are in this process's memory rather than in a file (a
-    /// Hugging Face gpt-oss folder's, rearranged at open): only `mapped` residency
-    /// serves them, where they lie.
-    pub fn in_memory(&self) -> bool {
-        self.files.iter().any(|f| f.backing() == Backing::Memory)
     }
 
     pub fn layer(&self, l: usize) -> Option<&LayerExperts> {

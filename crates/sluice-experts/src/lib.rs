@@ -397,15 +397,6 @@ impl ExpertStore {
     }
 
     fn reader(&self) -> Result<Reader> {
-        if let Some(f) = self.layout.files.iter().find(|f| f.backing() == sluice_formats::Backing::Memory) {
-            return Err(Error::Usage(format!(
-                "the experts of {} were rearranged into memory when it was opened (the Hugging Face gpt-oss \
-                 form), so {} residency cannot read them from the file: use --residency mapped, or run the \
-                 model's GGUF or a `sluice pack` of it",
-                f.path().display(),
-                self.residency.name()
-            )));
-        }
         let files = self
             .layout
             .files

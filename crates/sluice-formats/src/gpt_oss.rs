@@ -20,8 +20,9 @@
 //! The rewrite goes to a file in sluice's cache (`$SLUICE_CACHE_DIR/gpt-oss`, named by
 //! the source files' identity), written once and mapped after: the experts are then
 //! served from it like any file's, streamed or mapped, and a model larger than memory
-//! is rearranged without holding it. Where no cache directory can be written, the
-//! rewrite is kept in memory, and only `mapped` residency serves it.
+//! is rearranged without holding it. Where sluice's cache cannot be written the file
+//! goes to the temporary folder; a write that fails there too (a full disk) is an
+//! error naming the file.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -90,10 +91,7 @@ pub(crate) fn rearrange(
     let layers = take_sources(dir, prefix, spec, tensors, bytes)?;
     let outs = plan(&layers);
     let Some(total) = outs.last().map(|o| o.offset + o.len) else { return Ok(()) };
-    let file = match cached_file(dir, &layers, &outs, total)? {
-        Some(file) => file,
-        None => MappedFile::in_memory(dir, &write_all(&layers, &outs, total))?,
-    };
+    let file = cached_file(dir, &layers, &outs, total)?;
     for o in outs {
         let t = TensorView::new(o.name.clone(), o.dtype, o.shape, file.clone(), o.offset, o.len)?;
         tensors.insert(o.name, t);
@@ -188,15 +186,35 @@ fn plan(layers: &[Layer]) -> Vec<Out> {
 
 /// The cache file for these sources, written now if it is not there yet; `None` when
 /// no cache directory can be used.
-fn cached_file(dir: &Path, layers: &[Layer], outs: &[Out], total: usize) -> Result<Option<Arc<MappedFile>>> {
-    let Some(cache) = cache_dir("gpt-oss") else { return Ok(None) };
-    let path = cache.join(format!("{:016x}.bin", source_key(dir, layers)?));
-    if std::fs::metadata(&path).is_ok_and(|m| m.len() == total as u64) {
-        return MappedFile::open(&path).map(Some);
+fn cached_file(dir: &Path, layers: &[Layer], outs: &[Out], total: usize) -> Result<Arc<MappedFile>> {
+    let name = format!("{:016x}.bin", source_key(dir, layers)?);
+    // sluice's cache, else the temporary folder (for a home that cannot be written).
+    let homes: Vec<PathBuf> =
+        [cache_dir("gpt-oss"), Some(std::env::temp_dir().join("sluice-gpt-oss"))].into_iter().flatten().collect();
+    let done = |p: &PathBuf| std::fs::metadata(p).is_ok_and(|m| m.len() == total as u64);
+    if let Some(path) = homes.iter().map(|h| h.join(&name)).find(done) {
+        return MappedFile::open(&path);
     }
-    if std::fs::create_dir_all(&cache).is_err() {
-        return Ok(None);
+    let mut failed = None;
+    for home in &homes {
+        let path = home.join(&name);
+        match write_cache(dir, layers, outs, (home, &path), total) {
+            Ok(()) => return MappedFile::open(&path),
+            Err(e) => failed = Some(Error::io(&path, e)),
+        }
     }
+    Err(failed.expect("the temporary folder is always a home"))
+}
+
+/// Writes the rewrite to `path` in `home` (made if need be).
+fn write_cache(
+    dir: &Path,
+    layers: &[Layer],
+    outs: &[Out],
+    (home, path): (&Path, &Path),
+    total: usize,
+) -> std::io::Result<()> {
+    std::fs::create_dir_all(home)?;
     eprintln!(
         "sluice: rearranging the experts of {} into {} ({:.1} GB, once)",
         dir.display(),
@@ -211,13 +229,13 @@ fn cached_file(dir: &Path, layers: &[Layer], outs: &[Out], total: usize) -> Resu
     let written = (|| -> std::io::Result<()> {
         let mut f = std::io::BufWriter::with_capacity(1 << 22, std::fs::File::create(&tmp)?);
         write_into(layers, outs, &mut f)?;
-        f.into_inner().map_err(|e| e.into_error())?.sync_all()
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&tmp, path)
     })();
-    if let Err(e) = written.and_then(|_| std::fs::rename(&tmp, &path)) {
+    if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        return Err(Error::io(&path, e));
     }
-    MappedFile::open(&path).map(Some)
+    written
 }
 
 /// Names the sources: the layout version, the folder, and each source file's path,
@@ -246,13 +264,6 @@ fn source_key(dir: &Path, layers: &[Layer]) -> Result<u64> {
         id.extend_from_slice(&mtime.as_nanos().to_le_bytes());
     }
     Ok(fnv64(&[LAYOUT_VERSION, &id]))
-}
-
-/// The whole rewrite in memory (where no cache file can be written).
-fn write_all(layers: &[Layer], outs: &[Out], total: usize) -> Vec<u8> {
-    let mut buf = Vec::with_capacity(total);
-    write_into(layers, outs, &mut buf).expect("writing to memory");
-    buf
 }
 
 /// Writes every rewritten tensor in order, zeros between them, one expert at a time.
