@@ -32,7 +32,7 @@ use tokenizers::decoders::byte_level::ByteLevel;
 use tokenizers::decoders::fuse::Fuse;
 use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::{BPE, Merges, Vocab};
-use tokenizers::normalizers::{NormalizerWrapper, Prepend, Replace};
+use tokenizers::normalizers::{NFC, NormalizerWrapper, Prepend, Replace};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
@@ -192,8 +192,18 @@ fn build(v: &GgufVocab) -> Result<(tokenizers::Tokenizer, Extras)> {
     let pad_id = v.id("padding_token_id", v.pad_id, n)?;
 
     // The model's vocabulary, as the builder for this kind spells it.
+    let types = v.token_types.as_deref().unwrap_or_default();
     let spelled: Vec<String> = match kind {
-        Kind::ByteLevel => tokens.iter().map(|t| byte_level_spelling(t)).collect(),
+        Kind::ByteLevel => tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match types.get(i) {
+                // A control token is matched as written, never spelled in bytes (DeepSeek's
+                // `<｜User｜>` is outside the byte alphabet).
+                Some(&TOKEN_CONTROL) => t.to_string(),
+                _ => byte_level_spelling(t),
+            })
+            .collect(),
         Kind::Gemma => tokens.iter().map(|t| gemma_spelling(t)).collect(),
         _ => tokens.iter().map(|t| t.to_string()).collect(),
     };
@@ -210,7 +220,7 @@ fn build(v: &GgufVocab) -> Result<(tokenizers::Tokenizer, Extras)> {
         ("pad_token", named(pad_id)),
     ];
     let named_present: Vec<&str> = named_tokens.iter().filter_map(|(_, token)| *token).collect();
-    add_special_tokens(&mut inner, v, tokens, kind == Kind::ByteLevel, &index, &named_present);
+    add_special_tokens(&mut inner, v, tokens, &index, &named_present);
 
     // BOS/EOS as the file says; a SentencePiece vocabulary that does not say gets BOS, as in
     // llama.cpp; Gemma 4's chat template writes `<bos>` itself.
@@ -280,6 +290,11 @@ fn set_pipeline(inner: &mut tokenizers::Tokenizer, v: &GgufVocab, kind: Kind) ->
             let pre = byte_level_pre_tokenizer(v.pre).map_err(|e| v.err(format!("pre-tokenizer: {e}")))?;
             inner.with_pre_tokenizer(Some(pre));
             inner.with_decoder(Some(ByteLevel::default()));
+            // Qwen3.5's tokenizer.json (and its own tiktoken encoder) puts text in NFC first;
+            // the GGUF does not say so, but its `pre` names the vocabulary.
+            if v.pre == Some("qwen35") {
+                inner.with_normalizer(Some(NormalizerWrapper::NFC(NFC)));
+            }
         }
         Kind::Llama => {
             let prefix = v.add_space_prefix != Some(false);
@@ -307,25 +322,23 @@ fn set_pipeline(inner: &mut tokenizers::Tokenizer, v: &GgufVocab, kind: Kind) ->
 }
 
 /// Control tokens become special added tokens and user-defined ones plain added tokens, all
-/// matched as written (not normalized). In a byte-level vocabulary a control token written
-/// outside the byte alphabet is one llama.cpp mislabelled, and is left alone, as a
-/// user-defined token not in the vocabulary under its own spelling is. Then, as transformers
+/// matched as written (not normalized); a user-defined token not in the vocabulary under its
+/// own spelling is left alone. (transformers' GGUF builder also drops a byte-level control
+/// token written outside the byte alphabet, DeepSeek's `<｜User｜>` among them; the model's
+/// own tokenizer.json and llama.cpp keep them special, and so do we.) Then, as transformers
 /// does, the `named` special tokens (bos, eos, unk, pad) that are not added tokens yet become
 /// special ones.
 fn add_special_tokens(
     inner: &mut tokenizers::Tokenizer,
     v: &GgufVocab,
     tokens: &[&str],
-    byte_level: bool,
     index: &HashMap<&str, u32>,
     named: &[&str],
 ) {
     let types = v.token_types.as_deref().unwrap_or_default();
     let with_type = |want: i64| tokens.iter().zip(types).filter(move |(_, t)| **t == want).map(|(token, _)| *token);
-    let control: Vec<AddedToken> = with_type(TOKEN_CONTROL)
-        .filter(|token| !byte_level || token.chars().all(is_byte_char))
-        .map(|token| AddedToken::from(token, true).normalized(false))
-        .collect();
+    let control: Vec<AddedToken> =
+        with_type(TOKEN_CONTROL).map(|token| AddedToken::from(token, true).normalized(false)).collect();
     if !control.is_empty() {
         inner.add_special_tokens(&control);
     }
@@ -512,29 +525,43 @@ const QWEN2_SPLIT: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// The split regex for a `tokenizer.ggml.pre` value, as transformers maps them. Any other
-/// value (`default`, `gpt2`, `smollm`, ...) gets GPT-2's own regex.
-fn pre_split_regex(pre: &str) -> Option<&'static str> {
+/// DeepSeek-V3's three splits, applied in turn: digit runs of up to three, CJK runs, then
+/// words and punctuation.
+const DEEPSEEK3_SPLITS: [&str; 3] = [
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##,
+];
+
+/// The split regexes for a `tokenizer.ggml.pre` value, as transformers maps them (and, for
+/// `deepseek-v3`, as the model's tokenizer.json and llama.cpp split). Any other value
+/// (`default`, `gpt2`, `smollm`, ...) gets GPT-2's own regex.
+fn pre_splits(pre: &str) -> Option<&'static [&'static str]> {
     Some(match pre {
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2"
-        | "jina-v5-nano" | "dbrx" | "smaug-bpe" => LLAMA3_SPLIT,
-        "tekken" => TEKKEN_SPLIT,
-        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => QWEN2_SPLIT,
-        "qwen35" => QWEN35_SPLIT,
-        "gpt-4o" | "llama4" | "kanana2" | "talkie" | "minimax-m2" => GPT4O_SPLIT,
+        | "jina-v5-nano" | "dbrx" | "smaug-bpe" => &[LLAMA3_SPLIT],
+        "tekken" => &[TEKKEN_SPLIT],
+        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => &[QWEN2_SPLIT],
+        "qwen35" => &[QWEN35_SPLIT],
+        "gpt-4o" | "llama4" | "kanana2" | "talkie" | "minimax-m2" => &[GPT4O_SPLIT],
+        // llama.cpp's converter names DeepSeek-V3's vocabulary by a hash of its output, which
+        // transformers releases have moved onto JoyAI's entry; the splits are the same.
+        "deepseek-v3" | "joyai-llm" => &DEEPSEEK3_SPLITS,
         _ => return None,
     })
 }
 
 fn byte_level_pre_tokenizer(pre: Option<&str>) -> std::result::Result<PreTokenizerWrapper, String> {
-    Ok(match pre.and_then(pre_split_regex) {
-        Some(regex) => {
-            let split = Split::new(SplitPattern::Regex(regex.to_string()), SplitDelimiterBehavior::Isolated, false)
-                .map_err(|e| e.to_string())?;
-            PreTokenizerWrapper::Sequence(tokenizers::pre_tokenizers::sequence::Sequence::new(vec![
-                PreTokenizerWrapper::Split(split),
-                PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)),
-            ]))
+    Ok(match pre.and_then(pre_splits) {
+        Some(regexes) => {
+            let mut steps = Vec::with_capacity(regexes.len() + 1);
+            for regex in regexes {
+                let split = Split::new(SplitPattern::Regex(regex.to_string()), SplitDelimiterBehavior::Isolated, false)
+                    .map_err(|e| e.to_string())?;
+                steps.push(PreTokenizerWrapper::Split(split));
+            }
+            steps.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)));
+            PreTokenizerWrapper::Sequence(tokenizers::pre_tokenizers::sequence::Sequence::new(steps))
         }
         None => PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
     })
@@ -583,8 +610,8 @@ mod tests {
         }
     }
 
-    /// Byte-level: five special tokens (one control token outside the byte alphabet,
-    /// which must be left alone), the 256 byte symbols, then the merges' results.
+    /// Byte-level: five special tokens (one control token outside the byte alphabet), the
+    /// 256 byte symbols, then the merges' results.
     fn byte_level() -> Meta {
         let mut m = Meta::default();
         for (token, t) in
@@ -670,12 +697,14 @@ mod tests {
     fn byte_level_matches_transformers_for_each_pre() {
         let m = byte_level();
         // GPT-2's regex keeps " 12345" together, so `Ġ 1` loses to `1 2` and `12 3`;
-        // qwen2 splits digits one by one; llama-bpe takes them three at a time.
+        // qwen2 splits digits one by one; llama-bpe takes them three at a time. The control
+        // token outside the byte alphabet is matched whole (transformers' GGUF builder spells
+        // it in bytes; the model's tokenizer.json and llama.cpp do not).
         let default = vec![
             vec![264, 269],
             vec![264, 37, 271, 57, 58],
             vec![1, 264, 2, 3],
-            vec![65, 244, 194, 161, 103, 102, 105, 244, 194, 161, 67],
+            vec![4],
             vec![109, 200, 174, 262, 116, 37, 245, 164, 157, 133],
             vec![],
         ];
@@ -705,11 +734,12 @@ mod tests {
              {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
         );
         let tok = Tokenizer::from_gguf_vocab(&v).unwrap();
-        // Control tokens are special, user-defined ones are not; the mislabelled one is
-        // not a token at all.
-        assert!(tok.is_special(0) && tok.is_special(1) && tok.is_special(2));
+        // Control tokens are special, user-defined ones are not; one outside the byte
+        // alphabet (DeepSeek's kind) keeps its own spelling.
+        assert!(tok.is_special(0) && tok.is_special(1) && tok.is_special(2) && tok.is_special(4));
         assert!(!tok.is_special(3));
-        assert_eq!(tok.token_to_id("<｜bad｜>"), None);
+        assert_eq!(tok.token_to_id("<｜bad｜>"), Some(4));
+        assert_eq!(tok.decode(&[264, 4], false).unwrap(), "hello<｜bad｜>");
         assert_eq!(tok.decode(&[1, 264, 2, 3], true).unwrap(), "hello<think>");
         // add_bos_token is unset: a byte-level vocabulary adds nothing.
         assert_eq!(tok.encode("hello", true).unwrap(), [264]);

@@ -3,23 +3,15 @@
 //! scripts/make_tokenizer_reference.py. The models come from scripts/fetch_models.sh into
 //! $SLUICE_MODELS or <repo>/.cache/models; a missing one is reported and its test passes.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::time::Instant;
 
+use common::{Form, check_parity, models_dir, repo_root};
 use serde_json::Value;
 use sluice_formats::gguf::GgufFile;
-use sluice_tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn models_dir() -> PathBuf {
-    match std::env::var_os("SLUICE_MODELS") {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-        _ => repo_root().join(".cache/models"),
-    }
-}
+use sluice_tokenizer::{ChatMessage, Tokenizer};
 
 /// Opens a fetched model, or says how to fetch it and returns None.
 fn open_model(name: &str, file: &str) -> Option<(Tokenizer, Value)> {
@@ -43,84 +35,10 @@ fn open_model(name: &str, file: &str) -> Option<(Tokenizer, Value)> {
     Some((tok, fixture))
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
-
-fn stream(tok: &Tokenizer, ids: &[u32], skip_special: bool) -> String {
-    let mut decoder = StreamDecoder::new(tok, skip_special);
-    let mut out = String::new();
-    for &id in ids {
-        out.push_str(&decoder.push(id).unwrap());
-    }
-    out.push_str(&decoder.finish().unwrap());
-    out
-}
-
-/// Every corpus entry and the chat against the reference; all mismatches are listed at once.
-fn check_parity(name: &str, tok: &Tokenizer, fixture: &Value) {
-    let mut failures: Vec<String> = Vec::new();
-    let entries = fixture["encode"].as_array().unwrap();
-    for entry in entries {
-        let text = entry["text"].as_str().unwrap();
-        let expected = ids(&entry["ids"]);
-        let got = tok.encode(text, true).unwrap();
-        if got != expected {
-            failures.push(format!("encode {text:?}:\n  got      {got:?}\n  expected {expected:?}"));
-        }
-        let plain = tok.encode(text, false).unwrap();
-        let round = tok.decode(&plain, false).unwrap();
-        if round != text {
-            failures.push(format!("decode(encode({text:?})) gave {round:?}"));
-        }
-        let want = entry["decoded_skip_special"].as_str().unwrap();
-        let skipped = tok.decode(&expected, true).unwrap();
-        if skipped != want {
-            failures.push(format!("decode({text:?} ids, skip_special) gave {skipped:?}, expected {want:?}"));
-        }
-        for skip in [false, true] {
-            let full = tok.decode(&expected, skip).unwrap();
-            let streamed = stream(tok, &expected, skip);
-            if streamed != full {
-                failures.push(format!("stream decode of {text:?} (skip {skip}) gave {streamed:?}, full {full:?}"));
-            }
-        }
-    }
-
-    let chat = &fixture["chat"];
-    if chat.is_null() {
-        if tok.has_chat_template() {
-            failures.push("has a chat template, but transformers found none".into());
-        }
-    } else {
-        let messages: Vec<ChatMessage> = chat["messages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
-            .collect();
-        let add = chat["add_generation_prompt"].as_bool().unwrap();
-        let text = tok.apply_chat_template(&messages, add).unwrap();
-        if text != chat["text"].as_str().unwrap() {
-            failures.push(format!("chat render:\n  got      {text:?}\n  expected {:?}", chat["text"]));
-        }
-        let got = tok.encode_chat(&messages, add).unwrap();
-        if got != ids(&chat["ids"]) {
-            failures.push(format!("chat ids:\n  got      {got:?}\n  expected {:?}", ids(&chat["ids"])));
-        }
-    }
-    assert!(failures.is_empty(), "{name}: {} mismatches:\n{}", failures.len(), failures.join("\n"));
-    eprintln!(
-        "{name}: {} texts{} match transformers",
-        entries.len(),
-        if chat.is_null() { "" } else { " and the chat" }
-    );
-}
-
 #[test]
 fn smollm2_matches_transformers() {
     let Some((tok, fixture)) = open_model("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf") else { return };
-    check_parity("smollm2", &tok, &fixture);
+    check_parity("smollm2", &tok, &fixture, Form::Gguf);
     // gpt2 vocabulary, pre `smollm`; bos is <|im_start|> but add_bos_token is false.
     assert_eq!(tok.bos_id(), Some(1));
     assert_eq!(tok.id_to_token(1).as_deref(), Some("<|im_start|>"));
@@ -132,7 +50,7 @@ fn smollm2_matches_transformers() {
 #[test]
 fn gemma3_270m_matches_transformers() {
     let Some((tok, fixture)) = open_model("gemma3-270m", "gemma-3-270m-q4_k_m.gguf") else { return };
-    check_parity("gemma3-270m", &tok, &fixture);
+    check_parity("gemma3-270m", &tok, &fixture, Form::Gguf);
     // SentencePiece vocabulary with merges rebuilt from the token order; BOS added.
     assert_eq!(tok.bos_id(), Some(2));
     assert_eq!(tok.encode("Hi", true).unwrap()[0], 2);
@@ -152,7 +70,7 @@ fn qwen2_5_coder_matches_transformers() {
     let Some((tok, fixture)) = open_model("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf") else {
         return;
     };
-    check_parity("qwen2.5-coder-1.5b", &tok, &fixture);
+    check_parity("qwen2.5-coder-1.5b", &tok, &fixture, Form::Gguf);
     // gpt2 vocabulary, pre `qwen2`; `<tool_call>` is user-defined, the `[PAD...]` tail unused.
     assert_eq!(tok.bos_id(), Some(151_643));
     assert_eq!(tok.eos_ids(), [151_645]);
