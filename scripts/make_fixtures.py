@@ -429,6 +429,7 @@ def randomize(
     round_to: torch.dtype | None,
     expert_gain: float = 1.0,
     zero_centered: bool = False,
+    embed_std: float = 0.15,
 ) -> None:
     """Fills every saved parameter (and the layer_scalar buffers) with non-trivial random values.
     `expert_gain` multiplies fused gate_up experts and divides down experts (gpt-oss: large enough
@@ -437,7 +438,8 @@ def randomize(
     g = torch.Generator().manual_seed(seed)
     saved = set(model.state_dict().keys())
     tensors = dict(model.named_parameters())
-    tensors.update({n: b for n, b in model.named_buffers() if n in saved})
+    # Saved buffers, but not integer ones (Qwen4-Exp's n-gram hash constants).
+    tensors.update({n: b for n, b in model.named_buffers() if n in saved and b.is_floating_point()})
     with torch.no_grad():
         for name in sorted(tensors):
             t = tensors[name]
@@ -466,10 +468,15 @@ def randomize(
                 # Every RMSNorm weight (Gemma 4 multiplies by it directly; so do Qwen and Llama).
                 assert "norm" in parent, name
                 v = 1.0 + 0.2 * torch.randn(t.shape, generator=g)
+            elif parent == "ngram_embedding":
+                # Qwen4-Exp's hashed n-gram tables and its PLE convolution (zero at init).
+                v = 0.5 * torch.randn(t.shape, generator=g)
+            elif name.endswith("ple.conv1d.weight"):
+                v = 0.3 * torch.randn(t.shape, generator=g)
             elif "router" in name or (parent == "gate" and ".mlp." in name):
                 v = router_std * torch.randn(t.shape, generator=g)
             elif "embed_tokens" in name or "lm_head" in name:
-                v = 0.15 * torch.randn(t.shape, generator=g)
+                v = embed_std * torch.randn(t.shape, generator=g)
             else:
                 assert t.dim() >= 2, name
                 v = 0.08 * torch.randn(t.shape, generator=g)
@@ -501,7 +508,7 @@ class RouterWatch:
             cls = type(mod).__name__
             if cls == "Gemma4TextRouter":
                 self.handles.append(mod.register_forward_hook(self._hook(name, probs_index=0)))
-            elif cls in ("Qwen3MoeTopKRouter", "GptOssTopKRouter", "Qwen3_5MoeTopKRouter"):
+            elif cls in ("Qwen3MoeTopKRouter", "GptOssTopKRouter", "Qwen3_5MoeTopKRouter", "Qwen4ExpTextTopKRouter"):
                 self.handles.append(mod.register_forward_hook(self._hook(name, logits_index=0)))
             elif cls == "DeepseekV3TopkRouter":
                 self.handles.append(mod.register_forward_hook(self._deepseek_hook(name)))
@@ -933,6 +940,128 @@ def build_qwen35_moe():
     return Qwen3_5MoeForConditionalGeneration, cfg
 
 
+def build_qwen4_exp():
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    ids = token_ids("qwen")
+    cfg = Qwen4ExpTextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=6,
+        # "full_attention" is read as indexed (QSA) attention; layers 2 and 5 have it.
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        # Three residual streams (not the default four), mixed through rank 24.
+        hc_count=3,
+        hc_lowrank=24,
+        # Hashed 2- and 3-gram embeddings on layers 0 and 3 (one-indexed ids), 2 heads each.
+        ple_layer_ids=[1, 4],
+        ple_embed_dim=32,
+        ple_conv_kernel_size=4,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=1000,
+        make_ngram_vocab_size_divisible_by=128,
+        seed=1234,
+        split_ngram_parts=4,
+        # QSA: blocks of 2 tokens, a budget of 4 (two blocks) plus the open block; a query
+        # sees every token up to position 5, a selection from position 6 on.
+        indexer_n_heads=4,
+        indexer_kv_heads=1,
+        indexer_head_dim=12,
+        indexer_budget=4,
+        indexer_compress_ratio=2,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"][0],
+    )
+    cfg.architectures = ["Qwen4ExpForCausalLM"]
+    return Qwen4ExpForCausalLM, cfg
+
+
+def ngram_ids(model, ids: torch.Tensor) -> dict:
+    """Qwen4-Exp: the rows of each PLE layer's n-gram table that one forward reads, per
+    token (`[tokens][heads]`), by layer index."""
+    seen = {}
+    handles = []
+    for name, m in model.named_modules():
+        if name.endswith("ple.ple_embedding.ngram_embedding"):
+            layer = int(name.split("layers.")[1].split(".")[0])
+
+            def pre(mod, args, layer=layer):
+                seen[str(layer)] = args[0][0].tolist()
+
+            handles.append(m.register_forward_pre_hook(pre))
+    try:
+        full_logits(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen, "no n-gram tables read"
+    return seen
+
+
+def qsa_min_gap(model, ids: torch.Tensor) -> float:
+    """Qwen4-Exp: over one forward, the smallest gap between the last block a QSA query
+    chooses and the first it leaves (relative to the larger score; ReLU makes exact ties of
+    zero common, and torch's top-k breaks them in no documented order). Recomputed from
+    the indexer's inputs as its forward does."""
+    import transformers.models.qwen4_exp.modeling_qwen4_exp as q4
+
+    gaps = []
+
+    def hook(mod, args, kwargs, out):
+        hidden, (cos, sin) = args[0], args[1]
+        qk = mod.index_qk_proj(hidden)[0]
+        q, keys = qk.split([mod.index_n_heads * mod.index_head_dim, mod.index_head_dim], dim=-1)
+        q = mod.q_layernorm(q.reshape(q.shape[0], -1, mod.index_head_dim))
+        q = q4.apply_rotary_pos_emb(q.unsqueeze(0), cos=cos, sin=sin, unsqueeze_dim=2)[0]
+        c, top = mod.compress_ratio, mod.block_topk
+        for t in range(q.shape[0]):
+            nb = (t + 1) // c
+            if nb <= top:
+                continue
+            pooled = mod.k_layernorm(keys[: nb * c].float().view(nb, c, -1).mean(1))
+            starts = torch.arange(nb) * c
+            bk = q4.apply_rotary_pos_emb(pooled.unsqueeze(1), cos=cos[0, starts], sin=sin[0, starts]).squeeze(1)
+            sc = torch.relu(q[t].float() @ bk.float().T).sum(0) / math.sqrt(mod.index_head_dim)
+            s, _ = torch.sort(sc, descending=True)
+            gaps.append(((s[top - 1] - s[top]) / s[top - 1].abs().clamp_min(1e-30)).item())
+
+    handles = [
+        m.register_forward_hook(hook, with_kwargs=True)
+        for m in model.modules()
+        if type(m).__name__ == "Qwen4ExpTextQSAIndexer"
+    ]
+    try:
+        full_logits(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert gaps, "no QSA query chose among more blocks than its budget"
+    return min(gaps)
+
+
 def group_limit_bites(model, ids: torch.Tensor) -> int:
     """DeepSeek: over one forward, how many (layer, token) choices the group limit changes
     from the plain top-k of the corrected scores."""
@@ -1139,6 +1268,9 @@ FIXTURES = {
     "qwen3.5-moe": dict(build=build_qwen35_moe, family="qwen", seed=9001, dtype=torch.float32, router_std=0.3, top_k=2, zero_centered=True, long=150, gguf="qwen3.5-moe.gguf"),
     "deepseek-v3": dict(build=build_deepseek_v3, family="qwen", seed=8001, dtype=torch.float32, router_std=0.3, top_k=2, gguf="deepseek-v3.gguf"),
     # As published: bf16, experts in MXFP4 (blocks and scales); llama.cpp's converter keeps MXFP4.
+    # Hyper-connections, QSA attention and hashed n-gram embeddings; an end of text at
+    # position 9 cuts the n-grams there. `long`: past a prefill chunk and many QSA choices.
+    "qwen4-exp": dict(build=build_qwen4_exp, family="qwen", seed=9501, dtype=torch.float32, router_std=0.3, top_k=2, zero_centered=True, long=150, eos_at=[9, 100], embed_std=0.3),
     "gpt-oss-mxfp4": dict(build=build_gpt_oss, family="qwen", seed=7002, dtype=torch.bfloat16, router_std=0.3, top_k=2, expert_gain=6.0, mxfp4=True, gguf="gpt-oss-mxfp4.gguf"),
 }
 
@@ -1153,6 +1285,10 @@ def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer, lla
     text_ids = write_tokenizer(folder, base_tok, family, spec.get("template_file", False))
     assert len(text_ids) >= N_TOKENS, (name, len(text_ids))
     tokens = text_ids[:N_TOKENS]
+    eos = token_ids(family)["eos"][0]
+    for p in spec.get("eos_at", []):
+        if p < N_TOKENS:
+            tokens[p] = eos
     ids = torch.tensor([tokens], dtype=torch.long)
 
     round_to = spec["dtype"] if spec["dtype"] != torch.float32 else None
@@ -1164,11 +1300,21 @@ def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer, lla
         model.set_attn_implementation("eager")
         if spec["top_k"]:
             model.set_experts_implementation("eager")
-        randomize(model, seed, spec["router_std"], round_to, spec.get("expert_gain", 1.0), spec.get("zero_centered", False))
+        randomize(
+            model,
+            seed,
+            spec["router_std"],
+            round_to,
+            spec.get("expert_gain", 1.0),
+            spec.get("zero_centered", False),
+            spec.get("embed_std", 0.15),
+        )
         if spec.get("mxfp4"):
             snap_experts_to_mxfp4(model)
         if spec.get("long"):
             spec["long_ids"] = base_tok.encode(CORPUS).ids[: spec["long"]]
+            for p in spec.get("eos_at", []):
+                spec["long_ids"][p] = eos
             assert len(spec["long_ids"]) == spec["long"]
         verdict = try_model(name, spec, folder, cls, model, ids)
         if verdict["ok"]:
@@ -1190,6 +1336,9 @@ def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer, lla
         "text": SENTENCE,
         "text_ids": text_ids,
     }
+    if "ngram_ids" in verdict:
+        ref["ngram_ids"] = verdict["ngram_ids"]
+        ref["long_ngram_ids"] = verdict["long_ngram_ids"]
     if spec.get("long"):
         (folder / "reference_long.f32").write_bytes(verdict["long"].numpy().astype("<f4").tobytes())
         ref["long_tokens"] = spec["long_ids"]
@@ -1294,6 +1443,13 @@ def try_model(name, spec, folder, cls, model, ids) -> dict:
         out["extra"]["choices the group limit changes"] = bites
         if bites < 2:
             return {"ok": False, "why": f"the group limit changes only {bites} choices"}
+    if name == "qwen4-exp":
+        out["ngram_ids"] = ngram_ids(loaded, ids)
+        out["long_ngram_ids"] = ngram_ids(loaded, torch.tensor([spec["long_ids"]], dtype=torch.long))
+        gap = min(qsa_min_gap(loaded, ids), qsa_min_gap(loaded, torch.tensor([spec["long_ids"]], dtype=torch.long)))
+        out["extra"]["QSA min rel gap"] = gap
+        if gap <= ROUTER_MIN_REL_GAP:
+            return {"ok": False, "why": f"QSA near-tie {gap:.3g}"}
     std = logits.std().item()
     if std < MIN_LOGITS_STD:
         return {"ok": False, "why": f"logits std {std:.3f} too small"}
@@ -1395,6 +1551,11 @@ def check_forms(name: str, folder: Path) -> None:
         assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in names and "model.layers.1.self_attn.q_a_proj.weight" in names
         assert "model.layers.1.mlp.gate.e_score_correction_bias" in names and "model.layers.1.mlp.shared_experts.up_proj.weight" in names
         assert "model.layers.0.mlp.gate_proj.weight" in names
+    elif name == "qwen4-exp":
+        assert cfg["model_type"] == "qwen4_exp_text" and cfg["layer_types"][2] == "indexed_attention"
+        assert "model.layers.0.ple.ple_embedding.ngram_embedding.shard_3.weight" in names
+        assert "model.layers.2.self_attn.indexer.index_qk_proj.weight" in names
+        assert "model.hyper_connection_mixer.input_mix_weight_up.weight" in names and "model.norm.weight" not in names
     elif name == "gpt-oss-mxfp4":
         assert cfg["quantization_config"]["quant_method"] == "mxfp4"
         assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in names and "model.layers.0.mlp.experts.down_proj_scales" in names

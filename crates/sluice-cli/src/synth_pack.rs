@@ -15,7 +15,9 @@ use sluice_formats::synth::{Arch, Geometry, Synth, SynthOptions};
 
 #[derive(Args)]
 pub struct SynthArgs {
-    /// Geometry to copy: qwen3-30b-a3b, qwen3-235b-a22b, gemma4-26b-a4b, tiny-moe, tiny-gemma4
+    /// Geometry to copy: qwen3-30b-a3b, qwen3-235b-a22b, gemma4-26b-a4b, gpt-oss-120b,
+    /// deepseek-v3, qwen3.5-397b-a17b; for tests tiny-moe, tiny-gemma4, tiny-gpt-oss,
+    /// tiny-deepseek, tiny-qwen3.5
     #[arg(long, value_name = "NAME")]
     geometry: String,
     /// Keep only the first N layers (Gemma 4 keeps its last layer full attention)

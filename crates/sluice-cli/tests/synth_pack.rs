@@ -302,3 +302,12 @@ fn bad_input_is_one_clear_error() {
     assert!(!out.exists());
     assert_one_error(&sluice(&["synth", "--geometry", "tiny-moe", "--out", s(&dir)]), "not a regular file");
 }
+
+/// `synth --help` names every geometry the library knows (the list is written by hand).
+#[test]
+fn synth_help_lists_every_geometry() {
+    let help = String::from_utf8(ok(&["synth", "--help"]).stdout).unwrap();
+    for g in sluice_formats::synth::Geometry::all() {
+        assert!(help.contains(g.name), "`sluice synth --help` does not name {}:\n{help}", g.name);
+    }
+}

@@ -23,6 +23,9 @@ pub enum Family {
     /// Qwen3.5/3.6-MoE: Gated DeltaNet linear attention on most layers, gated full
     /// attention on the rest, routed experts beside a gated shared expert.
     Qwen35,
+    /// Qwen4-Exp: Qwen3.5's layers on hyper-connections (several residual streams) in
+    /// place of norms, QSA (indexed sparse) attention, hashed n-gram embeddings.
+    Qwen4Exp,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -205,6 +208,20 @@ pub struct AttentionSpec {
     /// attention's output is multiplied by their sigmoid before the o projection
     /// (Qwen3.5's full-attention layers).
     pub output_gate: bool,
+    /// Qwen4-Exp's QSA: each query attends to the blocks of keys an indexer chooses.
+    pub indexer: Option<IndexerSpec>,
+}
+
+/// Qwen4-Exp's QSA indexer. Keys are pooled over fixed blocks of `block` positions;
+/// each query scores the complete blocks before it (the sum over `heads` query heads of
+/// the ReLU of their dot products with the block's key) and attends only to the best
+/// `budget / block` blocks and the open block it is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexerSpec {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub budget: usize,
+    pub block: usize,
 }
 
 /// The shapes of a multi-head latent attention layer.
@@ -296,6 +313,8 @@ pub struct DeltaNetSpec {
     pub conv_kernel: usize,
     /// Which key head a value head reads when there are more value heads.
     pub v_order: HeadOrder,
+    /// The output gate's activation (SiLU; Qwen4-Exp may say sigmoid).
+    pub gate: Activation,
 }
 
 /// How `v_heads` value heads share `k_heads` key heads.
@@ -338,6 +357,80 @@ pub struct LayerSpec {
     /// A Gated DeltaNet in place of attention (Qwen3.5's linear layers); `attention`
     /// then describes the model's full-attention layers, not this one.
     pub linear: Option<DeltaNetSpec>,
+    /// Hashed n-gram embeddings added to the residual streams first (Qwen4-Exp).
+    pub ngram: Option<NgramSpec>,
+}
+
+/// Qwen4-Exp's hashed n-gram embeddings on one layer. Each token's 2- to `n`-grams
+/// (cut at the last end of text before it) are hashed, `heads_per_n` ways each, into
+/// rows of one table whose rows hold `dim / heads()` values; the `heads()` rows
+/// concatenated are gated into every stream and pass a dilated causal convolution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NgramSpec {
+    /// Which of the model's n-gram layers this is (it picks the primes and multipliers).
+    pub index: usize,
+    pub n: usize,
+    pub heads_per_n: usize,
+    pub dim: usize,
+    /// Taps of the convolution, `n` positions apart.
+    pub conv_kernel: usize,
+    /// Each head's table size is a distinct prime at least this.
+    pub vocab_base: u64,
+    /// The table's rows are padded to a multiple of this.
+    pub pad_to: u64,
+    pub seed: u64,
+    /// The token that cuts n-grams (and pads the start of a sequence).
+    pub eos: u32,
+}
+
+impl NgramSpec {
+    /// Hashed heads: `heads_per_n` for each order 2..=n.
+    pub fn heads(&self) -> usize {
+        (self.n - 1) * self.heads_per_n
+    }
+
+    /// Positions of the convolution's window before the current one.
+    pub fn conv_rows(&self) -> usize {
+        (self.conv_kernel - 1) * self.n
+    }
+
+    /// The odd multipliers of a token `s` places back, for s in 0..n (transformers'
+    /// `_build_layer_multipliers`: splitmix64 of the seed, the layer's index and s,
+    /// reduced so that a token id times one stays below 2^63).
+    pub fn multipliers(&self, vocab: usize) -> Vec<u64> {
+        const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+        let splitmix64 = |v: u64| {
+            let v = v.wrapping_add(GAMMA);
+            let v = (v ^ (v >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            let v = (v ^ (v >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            v ^ (v >> 31)
+        };
+        let half = ((i64::MAX as u64 / vocab.max(1) as u64) / 2).max(1);
+        let base = self.seed.wrapping_add(10_007 * self.index as u64);
+        (0..self.n as u64).map(|i| 2 * (splitmix64(base.wrapping_add(GAMMA.wrapping_mul(i + 1))) % half) + 1).collect()
+    }
+
+    /// Each head's table size: the primes from `vocab_base` on, heads of earlier n-gram
+    /// layers taking the first ones.
+    pub fn head_sizes(&self) -> Vec<u64> {
+        let is_prime = |p: u64| p >= 2 && (2..).take_while(|d| d * d <= p).all(|d| p % d != 0);
+        let skip = self.index * self.heads();
+        (self.vocab_base..).filter(|&p| is_prime(p)).skip(skip).take(self.heads()).collect()
+    }
+
+    /// Rows of the table: the heads' sizes summed, padded to `pad_to`.
+    pub fn table_rows(&self) -> u64 {
+        self.head_sizes().iter().sum::<u64>().div_ceil(self.pad_to) * self.pad_to
+    }
+}
+
+/// Qwen4-Exp's hyper-connections: `streams` copies of the residual; a gated mix of
+/// rank `rank` of the normed streams feeds each sublayer, whose output each stream
+/// takes back with its own gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HyperSpec {
+    pub streams: usize,
+    pub rank: usize,
 }
 
 /// Gemma 4's per-layer embeddings (PLE).
@@ -367,6 +460,8 @@ pub struct ModelSpec {
     pub max_context: usize,
     pub layers: Vec<LayerSpec>,
     pub ple: Option<PleSpec>,
+    /// Several residual streams in place of one (Qwen4-Exp).
+    pub hyper: Option<HyperSpec>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     /// The dominant storage type of the weights, for display.
@@ -412,5 +507,41 @@ mod tests {
         );
         assert_eq!(plain.inv_freq[0], scaled.inv_freq[0]);
         assert!((scaled.inv_freq[7] - plain.inv_freq[7] / 8.0).abs() < 1e-12);
+    }
+}
+
+#[cfg(test)]
+mod ngram_tests {
+    use super::NgramSpec;
+
+    fn spec(index: usize) -> NgramSpec {
+        NgramSpec {
+            index,
+            n: 3,
+            heads_per_n: 2,
+            dim: 32,
+            conv_kernel: 4,
+            vocab_base: 1000,
+            pad_to: 128,
+            seed: 1234,
+            eos: 2,
+        }
+    }
+
+    /// The constants transformers 5.24 computes (and saves as `layer_multipliers`,
+    /// `ngram_heads_vocab_sizes`) for fixtures/tiny/qwen4-exp's two n-gram layers, and for
+    /// the default config's first (vocabulary 248320, base 20M, 16 heads).
+    #[test]
+    fn constants_match_transformers() {
+        assert_eq!(spec(0).multipliers(512), [4295158889763781, 17440218147737327, 1270917961434445]);
+        assert_eq!(spec(1).multipliers(512), [17237745666423273, 2619768721783435, 15090836525362811]);
+        assert_eq!(spec(0).head_sizes(), [1009, 1013, 1019, 1021]);
+        assert_eq!(spec(1).head_sizes(), [1031, 1033, 1039, 1049]);
+        assert_eq!((spec(0).table_rows(), spec(1).table_rows()), (4096, 4224));
+        let real = NgramSpec { heads_per_n: 8, dim: 2048, vocab_base: 20_000_000, ..spec(0) };
+        assert_eq!(real.multipliers(248_320), [23703573157769, 20109073645365, 8052911324071]);
+        assert_eq!(real.head_sizes()[..3], [20000003, 20000023, 20000033]);
+        assert_eq!(real.head_sizes()[15], 20000171);
+        assert_eq!(real.table_rows(), 320_001_536);
     }
 }

@@ -117,6 +117,9 @@ pub struct AttnParams<'a> {
     /// One logit per query head that joins the softmax and takes its share of the
     /// weight without a value (gpt-oss's attention sinks).
     pub sinks: Option<&'a [f32]>,
+    /// Per row of `q`, the positions it attends to (ascending), in place of every
+    /// position up to its own (Qwen4-Exp's QSA).
+    pub select: Option<&'a [Vec<u32>]>,
 }
 
 /// One sequence's share of a batched attention call: rows `first..first + rows` of
@@ -199,12 +202,21 @@ impl Job<'_> {
             if j < start { &cache.value(j)[kh..kh + hd] } else { &self.v_new[new_row(j)..new_row(j) + hd] }
         };
         let qs = &self.q[row * q_dim + h0 * hd..row * q_dim + (h0 + heads) * hd];
-        let len = pos + 1 - lo;
+        // The positions the row attends to: a window's, or the ones chosen for it.
+        let chosen = p.select.map(|sel| sel[row].as_slice());
+        if let Some(c) = chosen {
+            assert!(
+                c.iter().all(|&j| j as usize <= pos && j as usize >= lo),
+                "attention: a chosen position is not visible"
+            );
+        }
+        let at = |t: usize| chosen.map_or(lo + t, |c| c[t] as usize);
+        let len = chosen.map_or(pos + 1 - lo, <[u32]>::len);
         // Scores of every head of the task, head-major (the keys stay in cache from
         // one head to the next).
         let mut sc = vec![0f32; heads * len];
         for (j, (qh, w)) in qs.chunks(hd).zip(sc.chunks_mut(len)).enumerate() {
-            dot_f32_rows(qh, |t| key(lo + t), w);
+            dot_f32_rows(qh, |t| key(at(t)), w);
             w.iter_mut().for_each(|x| *x *= p.scale);
             if let Some(cap) = p.softcap {
                 w.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
@@ -215,7 +227,7 @@ impl Job<'_> {
             }
         }
         for (o, w) in out.chunks_mut(hd).zip(sc.chunks(len)) {
-            weighted_sum(o, w, |t| value(lo + t));
+            weighted_sum(o, w, |t| value(at(t)));
         }
     }
 }
@@ -297,6 +309,7 @@ mod tests {
             window: Some(3),
             softcap: None,
             sinks: None,
+            select: None,
         };
         let n = 11;
         let (qd, kd) = (32, 16);
@@ -343,6 +356,7 @@ mod tests {
             window: Some(5),
             softcap: Some(20.0),
             sinks: None,
+            select: None,
         };
         let (qd, kd) = (32, 16);
         let fill = |n: usize, m: usize, seed: usize| -> Vec<f32> {

@@ -125,8 +125,15 @@ mod tests {
     /// over all the rows: the convolution's tail and the matrices carry over.
     #[test]
     fn split_rows_continue_as_one_run() {
-        let spec =
-            DeltaNetSpec { k_heads: 2, v_heads: 4, k_dim: 4, v_dim: 3, conv_kernel: 4, v_order: HeadOrder::Grouped };
+        let spec = DeltaNetSpec {
+            k_heads: 2,
+            v_heads: 4,
+            k_dim: 4,
+            v_dim: 3,
+            conv_kernel: 4,
+            v_order: HeadOrder::Grouped,
+            gate: sluice_core::Activation::Silu,
+        };
         let c = spec.conv_dim();
         let f =
             |n: usize, s: usize| -> Vec<f32> { (0..n).map(|i| (((i + s) * 7919 % 97) as f32 - 48.0) / 30.0).collect() };

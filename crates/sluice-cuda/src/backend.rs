@@ -750,6 +750,11 @@ impl Backend for Cuda {
         Ok(DevAct { rows, cols, buf: self.dev.zeros_scratch(rows * cols)? })
     }
 
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<DevAct> {
+        assert_eq!(data.len(), rows * cols, "upload: {} values for {rows}x{cols}", data.len());
+        Ok(DevAct { rows, cols, buf: self.dev.upload_scratch(data)? })
+    }
+
     fn kv_new(&self, kv_dim: usize, window: Option<usize>) -> Result<DevKv> {
         Ok(DevKv { kv_dim, window, k: self.dev.alloc(1)?, v: self.dev.alloc(1)?, cap: 0, len: 0 })
     }
@@ -821,6 +826,11 @@ impl Backend for Cuda {
     }
 
     fn attention(&self, op: &AttnOp<'_, Self>) -> Result<DevAct> {
+        if op.select.is_some() {
+            return Err(Error::Unsupported(
+                "QSA attention (Qwen4-Exp's chosen positions per query) on the CUDA backend; use --backend cpu".into(),
+            ));
+        }
         let s = op.spec;
         let hd = s.head_dim;
         let rows = op.q.rows;

@@ -38,6 +38,8 @@ pub enum Pending<B: Backend> {
     Kv(B::Act, B::Act),
     /// Each sequence's new recurrent state, in batch order (taken as it is applied).
     Recurrent(Vec<Option<B::Act>>),
+    /// Keys and values as `Kv`, and every row's indexer key (`[rows, index_dim]`, host).
+    IndexedKv(B::Act, B::Act, Vec<f32>),
 }
 
 impl<'a, B: Backend> Cx<'a, B> {
@@ -140,6 +142,12 @@ impl<B: Backend> Attention<B> {
 
     /// `h` is the normed input `[rows, hidden]`; returns the o-projection's output.
     pub fn forward(&self, cx: &mut Cx<'_, B>, h: &B::Act) -> Result<B::Act> {
+        self.forward_selecting(cx, h, None)
+    }
+
+    /// [`Attention::forward`], each row attending only to the positions `select` lists
+    /// for it (Qwen4-Exp's QSA), when given.
+    pub fn forward_selecting(&self, cx: &mut Cx<'_, B>, h: &B::Act, select: Option<&[Vec<u32>]>) -> Result<B::Act> {
         let s = &self.spec;
         let hd = s.head_dim;
         let src = s.kv_source.unwrap_or(self.layer);
@@ -194,14 +202,14 @@ impl<B: Backend> Attention<B> {
             rope_heads(cx, &mut k, s.n_kv_heads, hd, &s.rope)?;
             cx.pending[self.layer] = Some(Pending::Kv(k, v));
         }
-        let Some(Pending::Kv(k, v)) = cx.pending[src].as_ref() else {
+        let (Some(Pending::Kv(k, v)) | Some(Pending::IndexedKv(k, v, _))) = cx.pending[src].as_ref() else {
             return Err(Error::Unsupported(format!(
                 "layer {} reads the KV of layer {src}, which has none",
                 self.layer
             )));
         };
         let caches = cx.caches(src)?;
-        let op = AttnOp { spec: s, q: &q, k, v, batch: cx.batch, caches: &caches, sinks: self.sinks.as_ref() };
+        let op = AttnOp { spec: s, q: &q, k, v, batch: cx.batch, caches: &caches, sinks: self.sinks.as_ref(), select };
         let mut a = cx.timers.time(|t| &mut t.attention, || be.attention(&op))?;
         if let Some(mut g) = gate {
             be.activate(&mut g, Activation::Sigmoid)?;
@@ -218,7 +226,13 @@ impl<B: Backend> Attention<B> {
 /// RoPE on each of `heads` heads of `x`: on the whole head, or where `rope` covers
 /// fewer dims (`2 * inv_freq.len()`, Qwen3.5's partial rotary) on those first dims
 /// alone, as their own heads (NeoX halves of the rotated dims).
-fn rope_heads<B: Backend>(cx: &Cx<'_, B>, x: &mut B::Act, heads: usize, hd: usize, rope: &RopeSpec) -> Result<()> {
+pub(crate) fn rope_heads<B: Backend>(
+    cx: &Cx<'_, B>,
+    x: &mut B::Act,
+    heads: usize,
+    hd: usize,
+    rope: &RopeSpec,
+) -> Result<()> {
     let (be, rot) = (cx.be, 2 * rope.inv_freq.len());
     if rot >= hd {
         return be.rope(x, hd, cx.batch, rope);

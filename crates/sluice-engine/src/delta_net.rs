@@ -5,8 +5,9 @@
 //!   mixed = qkv(h); z = z(h); b = b(h); a = a(h)
 //!   o     = delta_net(mixed, b, a)        per value head, from each sequence's state
 //!   out   = o_proj(norm(o) * silu(z))     the norm per value head, with a plain weight
+//!                                         (the gate's activation is the spec's)
 
-use sluice_core::{Activation, DeltaNetSpec, Result};
+use sluice_core::{DeltaNetSpec, Result};
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
 use crate::backend::{Backend, DeltaOp, Norm};
@@ -49,13 +50,26 @@ impl<B: Backend> DeltaNet<B> {
         })
     }
 
-    /// `h` is the normed input `[rows, hidden]`; returns the output projection's.
+    pub fn spec(&self) -> &DeltaNetSpec {
+        &self.spec
+    }
+
+    /// `h` is the normed input `[rows, hidden]`; returns the output projection's. Each
+    /// sequence's state is the layer's recurrent state.
     pub fn forward(&self, cx: &mut Cx<'_, B>, h: &B::Act) -> Result<B::Act> {
+        let states = cx.states.iter().map(|s| s.recurrent(self.layer)).collect::<Result<Vec<_>>>()?;
+        let (out, next) = self.forward_from(cx, h, &states)?;
+        cx.pending[self.layer] = Some(Pending::Recurrent(next.into_iter().map(Some).collect()));
+        Ok(out)
+    }
+
+    /// The output for `h` from each sequence's `states` (in batch order, `[1,
+    /// spec.state_len()]` each), and each one's state after the step.
+    pub fn forward_from(&self, cx: &mut Cx<'_, B>, h: &B::Act, states: &[&B::Act]) -> Result<(B::Act, Vec<B::Act>)> {
         let be = cx.be;
         let mut p = be.matmul_many(h, &[&self.qkv, &self.z, &self.b, &self.a])?.into_iter();
         let (mixed, mut z, b, a) =
             (p.next().expect("qkv"), p.next().expect("z"), p.next().expect("b"), p.next().expect("a"));
-        let states = cx.states.iter().map(|s| s.recurrent(self.layer)).collect::<Result<Vec<_>>>()?;
         let op = DeltaOp {
             spec: &self.spec,
             mixed: &mixed,
@@ -65,14 +79,13 @@ impl<B: Backend> DeltaNet<B> {
             a_neg: &self.a_neg,
             dt_bias: &self.dt_bias,
             batch: cx.batch,
-            states: &states,
+            states,
         };
         let (mut o, next) = cx.timers.time(|t| &mut t.attention, || be.delta_net(&op))?;
-        cx.pending[self.layer] = Some(Pending::Recurrent(next.into_iter().map(Some).collect()));
         // The gated norm's weight is plain (no 1 + w), whatever the model's other norms do.
         be.rms_norm(&mut o, &Norm { group: self.spec.v_dim, weight: Some(&self.norm), offset: 0.0, eps: cx.eps })?;
-        be.activate(&mut z, Activation::Silu)?;
+        be.activate(&mut z, self.spec.gate)?;
         be.mul(&mut o, &z)?;
-        be.matmul(&o, &self.out)
+        Ok((be.matmul(&o, &self.out)?, next))
     }
 }

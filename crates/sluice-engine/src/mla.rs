@@ -123,8 +123,16 @@ impl<B: Backend> Mla<B> {
         be.copy_columns(&mut key, one(c, dr), &k_pe, one(0, dr))?;
         let value = be.copy(&key)?;
         let caches = cx.caches(self.layer)?;
-        let op =
-            AttnOp { spec: &self.spec, q: &q_lat, k: &key, v: &value, batch: cx.batch, caches: &caches, sinks: None };
+        let op = AttnOp {
+            spec: &self.spec,
+            q: &q_lat,
+            k: &key,
+            v: &value,
+            batch: cx.batch,
+            caches: &caches,
+            sinks: None,
+            select: None,
+        };
         let a = cx.timers.time(|t| &mut t.attention, || be.attention(&op))?;
         cx.pending[self.layer] = Some(Pending::Kv(key, value));
 

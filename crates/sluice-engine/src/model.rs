@@ -18,7 +18,8 @@ use crate::backend::{Backend, Cpu};
 use crate::batch::Batch;
 use crate::blocks::{Cx, Pending, check_tokens};
 use crate::families::{
-    Network, deepseek::DeepSeek, gemma3::Gemma3, gemma4::Gemma4, gpt_oss::GptOss, llama::Llama, qwen35::Qwen35,
+    Network, deepseek::DeepSeek, gemma3::Gemma3, gemma4::Gemma4, gpt_oss::GptOss, llama::Llama, qwen4_exp::Qwen4Exp,
+    qwen35::Qwen35,
 };
 use crate::pilot::{Pilot, PilotStats};
 use crate::state::{SeqState, StateSpec};
@@ -139,6 +140,7 @@ impl<B: Backend> Model<B> {
             Family::GptOss => Box::new(GptOss::load(&be, ckpt)?),
             Family::DeepSeek => Box::new(DeepSeek::load(&be, ckpt)?),
             Family::Qwen35 => Box::new(Qwen35::load(&be, ckpt)?),
+            Family::Qwen4Exp => Box::new(Qwen4Exp::load(&be, ckpt)?),
         };
         let store =
             ExpertStore::open(ckpt, &opts.store, progress.as_mut().map(|p| &mut **p as &mut dyn FnMut(u64, u64)))?;
@@ -365,6 +367,15 @@ impl<B: Backend> Model<B> {
                     Some(Pending::Kv(k, v)) => {
                         if let Some(cache) = state.kv_mut(layer) {
                             be.kv_append(cache, k, v, *s).map_err(fail)?;
+                        }
+                    }
+                    Some(Pending::IndexedKv(k, v, keys)) => {
+                        if let Some(cache) = state.kv_mut(layer) {
+                            be.kv_append(cache, k, v, *s).map_err(fail)?;
+                        }
+                        if let Some(held) = state.index_keys_mut(layer) {
+                            let width = keys.len() / be.n_rows(k).max(1);
+                            held.extend_from_slice(&keys[s.first * width..(s.first + s.rows) * width]);
                         }
                     }
                     Some(Pending::Recurrent(next)) => {

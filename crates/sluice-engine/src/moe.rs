@@ -17,6 +17,8 @@ pub enum RouterInput<B: Backend> {
     /// Gemma 4: the residual RMS-normed without a weight, times a learned `scale`,
     /// times `factor` (hidden^-0.5).
     ScaledNorm { scale: B::Vector, factor: f32 },
+    /// The input as it comes (Qwen4-Exp: the hyper-connection's mix, already normed).
+    Plain,
 }
 
 /// A layer's routed experts.
@@ -70,6 +72,7 @@ impl<B: Backend> Moe<B> {
                 be.mul_row(&mut r, scale)?;
                 be.scale(&mut r, *factor)?;
             }
+            RouterInput::Plain => {}
         }
         cx.timers.time(|t| &mut t.router, || be.route(&be.matmul(&r, &self.router)?, &self.op))
     }

@@ -398,6 +398,7 @@ fn attention_time(a: &AttnShape) -> AttnTime {
         window: a.window,
         softcap: None,
         sinks: None,
+        select: None,
     };
     let (qd, kd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
     let kv = vec![0.25f32; PROMPT * kd];

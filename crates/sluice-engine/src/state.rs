@@ -22,6 +22,9 @@ pub enum StateSpec {
     Recurrent { rows: usize, cols: usize },
     /// One compressed vector of `width` per position (MLA's latent and RoPE key).
     Latent { width: usize },
+    /// Keys and values, and beside them one indexer key of `index_dim` per position,
+    /// kept on the host where the indexer chooses (Qwen4-Exp's QSA).
+    IndexedKv { kv_dim: usize, index_dim: usize },
     /// Nothing kept.
     Stateless,
 }
@@ -33,6 +36,8 @@ pub enum LayerState<B: Backend> {
     Recurrent(B::Act),
     /// Held in a KV cache whose keys are the latent vectors.
     Latent(B::Kv),
+    /// The KV cache, and the indexer keys of every position, position-major.
+    IndexedKv(B::Kv, Vec<f32>),
     Stateless,
 }
 
@@ -52,6 +57,7 @@ impl<B: Backend> SeqState<B> {
                     StateSpec::SharedKv { source } => LayerState::SharedKv(source),
                     StateSpec::Recurrent { rows, cols } => LayerState::Recurrent(be.zeros(rows, cols)?),
                     StateSpec::Latent { width } => LayerState::Latent(be.kv_new(width, None)?),
+                    StateSpec::IndexedKv { kv_dim, .. } => LayerState::IndexedKv(be.kv_new(kv_dim, None)?, Vec::new()),
                     StateSpec::Stateless => LayerState::Stateless,
                 })
             })
@@ -74,6 +80,7 @@ impl<B: Backend> SeqState<B> {
             .iter()
             .map(|l| match l {
                 LayerState::Kv(c) | LayerState::Latent(c) => be.kv_bytes(c),
+                LayerState::IndexedKv(c, keys) => be.kv_bytes(c) + 4 * keys.len(),
                 LayerState::Recurrent(s) => 4 * be.n_rows(s) * be.n_cols(s),
                 _ => 0,
             })
@@ -99,6 +106,13 @@ impl<B: Backend> SeqState<B> {
                     Some(c) => LayerState::Latent(c),
                     None => return Ok(None),
                 },
+                LayerState::IndexedKv(c, keys) => match be.kv_prefix(c, keep)? {
+                    Some(c) => {
+                        let width = keys.len() / self.len.max(1);
+                        LayerState::IndexedKv(c, keys[..keep * width].to_vec())
+                    }
+                    None => return Ok(None),
+                },
                 LayerState::SharedKv(src) => LayerState::SharedKv(*src),
                 LayerState::Stateless => LayerState::Stateless,
                 LayerState::Recurrent(_) => return Ok(None),
@@ -110,9 +124,24 @@ impl<B: Backend> SeqState<B> {
     /// The KV cache layer `layer` attends over (its own, or the one it shares).
     pub fn kv(&self, layer: usize) -> Result<&B::Kv> {
         match &self.layers[layer] {
-            LayerState::Kv(c) | LayerState::Latent(c) => Ok(c),
+            LayerState::Kv(c) | LayerState::Latent(c) | LayerState::IndexedKv(c, _) => Ok(c),
             LayerState::SharedKv(src) => self.kv(*src),
             _ => Err(Error::Unsupported(format!("layer {layer} keeps no KV cache"))),
+        }
+    }
+
+    /// Layer `layer`'s indexer keys, `[len, index_dim]`.
+    pub fn index_keys(&self, layer: usize) -> Result<&[f32]> {
+        match &self.layers[layer] {
+            LayerState::IndexedKv(_, keys) => Ok(keys),
+            _ => Err(Error::Unsupported(format!("layer {layer} keeps no indexer keys"))),
+        }
+    }
+
+    pub(crate) fn index_keys_mut(&mut self, layer: usize) -> Option<&mut Vec<f32>> {
+        match &mut self.layers[layer] {
+            LayerState::IndexedKv(_, keys) => Some(keys),
+            _ => None,
         }
     }
 
@@ -136,7 +165,7 @@ impl<B: Backend> SeqState<B> {
 
     pub(crate) fn kv_mut(&mut self, layer: usize) -> Option<&mut B::Kv> {
         match &mut self.layers[layer] {
-            LayerState::Kv(c) | LayerState::Latent(c) => Some(c),
+            LayerState::Kv(c) | LayerState::Latent(c) | LayerState::IndexedKv(c, _) => Some(c),
             _ => None,
         }
     }

@@ -188,3 +188,35 @@ fn qwen35_moe_long_prompt_across_chunks() {
         eprintln!("{}: 150 tokens {e:.2e}, 100 + 50 decoded {e2:.2e}", path.display());
     }
 }
+
+/// Qwen4-Exp: three residual streams mixed by hyper-connections, QSA attention choosing
+/// 2 blocks of 2 (from position 6 on a query sees a selection), hashed 2- and 3-gram
+/// embeddings on layers 0 and 3, an end of text at position 9 cutting the n-grams.
+#[test]
+fn qwen4_exp() {
+    check("qwen4-exp");
+}
+
+/// 150 tokens (end of text at 9 and 100): past a DeltaNet prefill chunk, with most queries
+/// choosing among many blocks; whole, and 100 then 50 decoded one at a time.
+#[test]
+fn qwen4_exp_long_prompt() {
+    let dir = fixtures().join("qwen4-exp");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let tokens: Vec<u32> = meta["long_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let bytes = std::fs::read(dir.join(meta["long_logits"].as_str().unwrap())).unwrap();
+    let want: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let model = Model::open(&dir).unwrap();
+    let mut s = model.session().unwrap();
+    let e = rel_err(&s.forward(&tokens, Logits::All).unwrap(), &want);
+    assert!(e <= 1e-3, "150-token prompt {e:e}");
+    let mut s = model.session().unwrap();
+    let mut got = s.forward(&tokens[..100], Logits::All).unwrap();
+    for &t in &tokens[100..] {
+        got.extend(s.forward(&[t], Logits::All).unwrap());
+    }
+    let e2 = rel_err(&got, &want);
+    assert!(e2 <= 1e-3, "100 + 50 decoded {e2:e}");
+    eprintln!("qwen4-exp: 150 tokens {e:.2e}, 100 + 50 decoded {e2:.2e}");
+}

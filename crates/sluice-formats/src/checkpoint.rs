@@ -109,13 +109,18 @@ impl Checkpoint {
             Family::Qwen35 => {
                 crate::qwen35::derive(path, &prefix, &spec, &mut tensors, |id| hf_name(Family::Qwen35, &prefix, id))?
             }
+            Family::Qwen4Exp => {
+                let name = |id| hf_name(Family::Qwen4Exp, &prefix, id);
+                crate::qwen35::derive(path, &prefix, &spec, &mut tensors, name)?;
+                crate::qwen4_exp::derive(path, &prefix, &spec, &mut tensors, &mut bytes, name)?
+            }
             _ => {}
         }
         // Byte tensors are read only as the parts of a format above.
         if let Some(t) = bytes.values().min_by(|a, b| a.name.cmp(&b.name)) {
             return Err(Error::format(
                 t.file().path(),
-                format!("tensor '{}' has type U8, which sluice does not read here (F32, F16, BF16)", t.name),
+                format!("tensor '{}' has type {}, which sluice does not read here (F32, F16, BF16)", t.name, t.dtype),
             ));
         }
         // A checkpoint without lm_head ties it to the embedding whatever the config says.

@@ -421,10 +421,12 @@ fn llama_like(m: &Meta) -> Result<ModelSpec> {
                 kv_source: None,
                 mla: None,
                 output_gate: false,
+                indexer: None,
             },
             mlp: (!is_moe[i]).then_some(ffn[i]),
             moe: if is_moe[i] { moe.clone() } else { None },
             linear: None,
+            ngram: None,
         })
         .collect();
     let (bos, eos) = token_ids(m.g)?;
@@ -442,6 +444,7 @@ fn llama_like(m: &Meta) -> Result<ModelSpec> {
         max_context: b.max_context,
         layers,
         ple: None,
+        hyper: None,
         bos_token_id: bos,
         eos_token_ids: eos,
         weight_dtype: None,
@@ -569,10 +572,12 @@ fn deepseek2(m: &Meta) -> Result<ModelSpec> {
                     kv_source: None,
                     mla: Some(mla),
                     output_gate: false,
+                    indexer: None,
                 },
                 mlp,
                 moe: if i < dense { None } else { moe.clone() },
                 linear: None,
+                ngram: None,
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -591,6 +596,7 @@ fn deepseek2(m: &Meta) -> Result<ModelSpec> {
         max_context: b.max_context,
         layers,
         ple: None,
+        hyper: None,
         bos_token_id: bos,
         eos_token_ids: eos,
         weight_dtype: None,
@@ -630,6 +636,7 @@ fn qwen35moe(m: &Meta) -> Result<ModelSpec> {
         v_dim: inner / v_heads,
         conv_kernel: m.usize("ssm.conv_kernel")?,
         v_order: HeadOrder::Tiled,
+        gate: Activation::Silu,
     };
     if linear.k_dim == 0 || linear.conv_kernel == 0 {
         return Err(m.err(format!(
@@ -686,10 +693,12 @@ fn qwen35moe(m: &Meta) -> Result<ModelSpec> {
                 kv_source: None,
                 mla: None,
                 output_gate: true,
+                indexer: None,
             },
             mlp: None,
             moe: Some(moe.clone()),
             linear: recurrent[i].then_some(linear),
+            ngram: None,
         })
         .collect();
     let (bos, eos) = token_ids(m.g)?;
@@ -707,6 +716,7 @@ fn qwen35moe(m: &Meta) -> Result<ModelSpec> {
         max_context: b.max_context,
         layers,
         ple: None,
+        hyper: None,
         bos_token_id: bos,
         eos_token_ids: eos,
         weight_dtype: None,
@@ -768,10 +778,12 @@ fn gpt_oss(m: &Meta) -> Result<ModelSpec> {
                 kv_source: None,
                 mla: None,
                 output_gate: false,
+                indexer: None,
             },
             mlp: None,
             moe: Some(moe.clone()),
             linear: None,
+            ngram: None,
         })
         .collect();
     let (bos, eos) = token_ids(m.g)?;
@@ -789,6 +801,7 @@ fn gpt_oss(m: &Meta) -> Result<ModelSpec> {
         max_context: b.max_context,
         layers,
         ple: None,
+        hyper: None,
         bos_token_id: bos,
         eos_token_ids: eos,
         weight_dtype: None,
@@ -890,10 +903,12 @@ fn gemma(m: &Meta) -> Result<ModelSpec> {
                 kv_source,
                 mla: None,
                 output_gate: false,
+                indexer: None,
             },
             mlp: Some(ffn[i]),
             moe: if is_moe[i] { moe.clone() } else { None },
             linear: None,
+            ngram: None,
         });
     }
 
@@ -920,6 +935,7 @@ fn gemma(m: &Meta) -> Result<ModelSpec> {
         max_context: b.max_context,
         layers,
         ple,
+        hyper: None,
         bos_token_id: bos,
         eos_token_ids: eos,
         weight_dtype: None,

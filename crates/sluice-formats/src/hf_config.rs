@@ -8,12 +8,12 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 use sluice_core::{
-    Activation, AttentionSpec, DeltaNetSpec, Error, Family, Glu, HeadOrder, LayerSpec, MlaSpec, ModelSpec, MoeSpec,
-    PleSpec, Result, RopeScaling, RopeSpec, RopeStyle, RouterKind, SharedExperts,
+    Activation, AttentionSpec, DeltaNetSpec, Error, Family, Glu, HeadOrder, HyperSpec, IndexerSpec, LayerSpec, MlaSpec,
+    ModelSpec, MoeSpec, NgramSpec, PleSpec, Result, RopeScaling, RopeSpec, RopeStyle, RouterKind, SharedExperts,
 };
 
 pub const SUPPORTED: &str = "deepseek_v3, gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen2, qwen3, \
-                             qwen3_moe, qwen3_5_moe, qwen3_5_moe_text";
+                             qwen3_moe, qwen3_5_moe, qwen3_5_moe_text, qwen4_exp, qwen4_exp_text";
 
 /// A JSON object with the file it came from, for errors that name both.
 #[derive(Clone, Copy)]
@@ -37,6 +37,9 @@ impl<'a> Cfg<'a> {
                 .map(|x| Some(x as usize))
                 .ok_or_else(|| self.err(format!("'{key}' must be a non-negative integer, found {v}"))),
         }
+    }
+    fn u64_opt(&self, key: &str) -> Result<Option<u64>> {
+        Ok(self.usize_opt(key)?.map(|v| v as u64))
     }
     fn usize(&self, key: &str) -> Result<usize> {
         self.usize_opt(key)?.ok_or_else(|| self.err(format!("'{key}' is missing")))
@@ -114,7 +117,8 @@ pub fn read(dir: &Path) -> Result<HfConfig> {
         "llama" | "qwen2" | "qwen3" | "qwen3_moe" => llama_like(&cfg, &model_type)?,
         "gpt_oss" => gpt_oss(&cfg)?,
         "deepseek_v3" => deepseek_v3(&cfg)?,
-        "qwen3_5_moe" | "qwen3_5_moe_text" => qwen35_moe(&cfg, &top)?,
+        "qwen3_5_moe" | "qwen3_5_moe_text" => qwen35_moe(&cfg, &top, Hybrid::Qwen35)?,
+        "qwen4_exp" | "qwen4_exp_text" => qwen4_exp(&cfg, &top)?,
         _ => {
             return Err(Error::UnknownArchitecture {
                 path,
@@ -259,10 +263,12 @@ fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
                     kv_source: None,
                     mla: None,
                     output_gate: false,
+                    indexer: None,
                 },
                 mlp: if sparse.is_some() { None } else { Some(intermediate) },
                 moe: sparse.map(|(m, _, _)| m.clone()),
                 linear: None,
+                ngram: None,
             }
         })
         .collect();
@@ -280,6 +286,7 @@ fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
         max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(4096),
         layers,
         ple: None,
+        hyper: None,
         bos_token_id: cfg.ids("bos_token_id")?.first().copied(),
         eos_token_ids: cfg.ids("eos_token_id")?,
         weight_dtype: None,
@@ -378,10 +385,12 @@ fn gpt_oss(cfg: &Cfg) -> Result<ModelSpec> {
                 kv_source: None,
                 mla: None,
                 output_gate: false,
+                indexer: None,
             },
             mlp: None,
             moe: Some(moe.clone()),
             linear: None,
+            ngram: None,
         })
         .collect();
     Ok(ModelSpec {
@@ -398,6 +407,7 @@ fn gpt_oss(cfg: &Cfg) -> Result<ModelSpec> {
         max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(131_072),
         layers,
         ple: None,
+        hyper: None,
         bos_token_id: cfg.ids("bos_token_id")?.first().copied(),
         eos_token_ids: cfg.ids("eos_token_id")?,
         weight_dtype: None,
@@ -516,6 +526,7 @@ fn deepseek_v3(cfg: &Cfg) -> Result<ModelSpec> {
         kv_source: None,
         mla: Some(mla),
         output_gate: false,
+        indexer: None,
     };
     if cfg.bool_opt("attention_bias")?.unwrap_or(false) {
         return Err(cfg.err("attention_bias = true is not supported for DeepSeek-V3".into()));
@@ -526,6 +537,7 @@ fn deepseek_v3(cfg: &Cfg) -> Result<ModelSpec> {
             mlp: (i < dense).then_some(intermediate),
             moe: (i >= dense).then(|| moe.clone()),
             linear: None,
+            ngram: None,
         })
         .collect();
     Ok(ModelSpec {
@@ -542,6 +554,7 @@ fn deepseek_v3(cfg: &Cfg) -> Result<ModelSpec> {
         max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(4096),
         layers,
         ple: None,
+        hyper: None,
         bos_token_id: cfg.ids("bos_token_id")?.first().copied(),
         eos_token_ids: cfg.ids("eos_token_id")?,
         weight_dtype: None,
@@ -554,7 +567,17 @@ fn deepseek_v3(cfg: &Cfg) -> Result<ModelSpec> {
 /// full layers' attention is gated and rotates `partial_rotary_factor` of each head;
 /// every layer has routed experts (softmax, top-k always renormalised) beside a gated
 /// shared expert; every norm multiplies by 1 + w.
-fn qwen35_moe(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
+/// The two Qwen families of DeltaNet and attention layers, which read one config.
+#[derive(Clone, Copy, PartialEq)]
+enum Hybrid {
+    Qwen35,
+    /// Its attention layers are `indexed_attention` (also when written
+    /// `full_attention`), RoPE covers the whole head unless told otherwise, and the
+    /// router renormalises only under `norm_topk_prob`.
+    Qwen4Exp,
+}
+
+fn qwen35_moe(cfg: &Cfg, top: &Cfg, hybrid: Hybrid) -> Result<ModelSpec> {
     let hidden = cfg.usize("hidden_size")?;
     let n_layers = cfg.usize("num_hidden_layers")?;
     let n_heads = cfg.usize_opt("num_attention_heads")?.unwrap_or(16);
@@ -572,6 +595,7 @@ fn qwen35_moe(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
         v_dim: cfg.usize_opt("linear_value_head_dim")?.unwrap_or(128),
         conv_kernel: cfg.usize_opt("linear_conv_kernel_dim")?.unwrap_or(4),
         v_order: HeadOrder::Grouped,
+        gate: Activation::Silu,
     };
     if linear.k_heads == 0 || linear.v_heads == 0 || !linear.v_heads.is_multiple_of(linear.k_heads) {
         return Err(cfg.err(format!(
@@ -591,6 +615,7 @@ fn qwen35_moe(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
             .iter()
             .map(|v| match v.as_str() {
                 Some("full_attention") => Ok(true),
+                Some("indexed_attention") if hybrid == Hybrid::Qwen4Exp => Ok(true),
                 Some("linear_attention") => Ok(false),
                 _ => Err(cfg.err(format!("unknown layer type {v} in 'layer_types'"))),
             })
@@ -604,7 +629,10 @@ fn qwen35_moe(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
     }
     let partial = match rope_cfg.as_ref().map(|r| r.f32_opt("partial_rotary_factor")).transpose()?.flatten() {
         Some(p) => p,
-        None => cfg.f32_opt("partial_rotary_factor")?.unwrap_or(0.25),
+        None => cfg.f32_opt("partial_rotary_factor")?.unwrap_or(match hybrid {
+            Hybrid::Qwen35 => 0.25,
+            Hybrid::Qwen4Exp => 1.0,
+        }),
     };
     let rot = (head_dim as f32 * partial) as usize;
     if rot == 0 || !rot.is_multiple_of(2) || rot > head_dim {
@@ -621,7 +649,9 @@ fn qwen35_moe(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
         n_experts,
         top_k,
         intermediate: cfg.usize_opt("moe_intermediate_size")?.unwrap_or(512),
-        router: RouterKind::Softmax { normalize_top_k: true },
+        router: RouterKind::Softmax {
+            normalize_top_k: hybrid == Hybrid::Qwen35 || cfg.bool_opt("norm_topk_prob")?.unwrap_or(true),
+        },
         glu: Glu::Gated(activation(cfg, "hidden_act", Activation::Silu)?),
         expert_bias: false,
         shared: match cfg.usize_opt("shared_expert_intermediate_size")?.unwrap_or(512) {
@@ -646,6 +676,7 @@ fn qwen35_moe(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
         kv_source: None,
         mla: None,
         output_gate: true,
+        indexer: None,
     };
     let layers = full
         .iter()
@@ -654,6 +685,7 @@ fn qwen35_moe(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
             mlp: None,
             moe: Some(moe.clone()),
             linear: (!f).then_some(linear),
+            ngram: None,
         })
         .collect();
     let tie = match top.bool_opt("tie_word_embeddings")? {
@@ -674,10 +706,123 @@ fn qwen35_moe(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
         max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(262_144),
         layers,
         ple: None,
+        hyper: None,
         bos_token_id: cfg.ids("bos_token_id")?.first().copied(),
         eos_token_ids: cfg.ids("eos_token_id")?,
         weight_dtype: None,
     })
+}
+
+/// Qwen4-Exp: Qwen3.5's layers with hyper-connections for norms, the QSA indexer on
+/// every attention layer and hashed n-gram embeddings on the listed linear layers.
+fn qwen4_exp(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
+    let mut spec = qwen35_moe(cfg, top, Hybrid::Qwen4Exp)?;
+    spec.family = Family::Qwen4Exp;
+    spec.arch = "qwen4_exp".into();
+    let hidden = spec.hidden_size;
+    let hyper = HyperSpec {
+        streams: cfg.usize_opt("hc_count")?.unwrap_or(4),
+        rank: cfg.usize_opt("hc_lowrank")?.unwrap_or(320),
+    };
+    if hyper.streams < 2 || hyper.rank == 0 {
+        return Err(cfg
+            .err(format!("hc_count ({}) must be at least 2 and hc_lowrank ({}) positive", hyper.streams, hyper.rank)));
+    }
+    spec.hyper = Some(hyper);
+    let gate = match cfg.str_opt("output_gate_type")? {
+        None => spec.activation,
+        Some("silu") => Activation::Silu,
+        Some("sigmoid") => Activation::Sigmoid,
+        Some(other) => return Err(cfg.err(format!("output_gate_type '{other}' is not one of silu, sigmoid"))),
+    };
+
+    let need = |key: &str| -> Result<usize> {
+        match cfg.usize_opt(key)? {
+            Some(v) if v > 0 => Ok(v),
+            Some(_) => Err(cfg.err(format!("'{key}' must be positive"))),
+            None => Err(cfg.err(format!("'{key}' is missing (every attention layer has a QSA indexer)"))),
+        }
+    };
+    let has_attention = spec.layers.iter().any(|l| l.linear.is_none());
+    let indexer = if has_attention {
+        let ix = IndexerSpec {
+            heads: need("indexer_n_heads")?,
+            head_dim: need("indexer_head_dim")?,
+            budget: need("indexer_budget")?,
+            block: need("indexer_compress_ratio")?,
+        };
+        if cfg.usize_opt("indexer_kv_heads")?.unwrap_or(1) != 1 {
+            return Err(cfg.err("indexer_kv_heads must be 1".into()));
+        }
+        if !ix.budget.is_multiple_of(ix.block) {
+            return Err(cfg.err(format!(
+                "indexer_budget ({}) must be a multiple of indexer_compress_ratio ({})",
+                ix.budget, ix.block
+            )));
+        }
+        let rot = 2 * spec.layers[0].attention.rope.inv_freq.len();
+        if ix.head_dim < rot || !ix.head_dim.is_multiple_of(2) {
+            return Err(
+                cfg.err(format!("indexer_head_dim ({}) must be even and cover the {rot} rotated dims", ix.head_dim))
+            );
+        }
+        Some(ix)
+    } else {
+        None
+    };
+
+    // `ple_layer_ids` are one-indexed; each must be a linear layer.
+    let mut ple_ids: Vec<usize> = match cfg.get("ple_layer_ids") {
+        None => vec![],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| match v.as_u64() {
+                Some(i) if i >= 1 && (i as usize) <= spec.layers.len() => Ok(i as usize - 1),
+                _ => Err(cfg.err(format!("'ple_layer_ids' holds {v}, not a layer id in 1..={}", spec.layers.len()))),
+            })
+            .collect::<Result<_>>()?,
+        Some(v) => return Err(cfg.err(format!("'ple_layer_ids' must be a list of layer ids, found {v}"))),
+    };
+    ple_ids.sort_unstable();
+    ple_ids.dedup();
+    let n = cfg.usize_opt("ngram_size")?.unwrap_or(3);
+    let heads_per_n = cfg.usize_opt("heads_per_ngram")?.unwrap_or(8);
+    let dim = cfg.usize_opt("ple_embed_dim")?.unwrap_or(hidden);
+    let eos = spec.eos_token_ids.first().copied();
+    let ngram = |index: usize| -> Result<NgramSpec> {
+        let s = NgramSpec {
+            index,
+            n,
+            heads_per_n,
+            dim,
+            conv_kernel: cfg.usize_opt("ple_conv_kernel_size")?.unwrap_or(4),
+            vocab_base: cfg.u64_opt("ngram_vocab_size_base")?.unwrap_or(20_000_000),
+            pad_to: cfg.u64_opt("make_ngram_vocab_size_divisible_by")?.unwrap_or(128).max(1),
+            seed: cfg.u64_opt("seed")?.unwrap_or(1234),
+            eos: eos.ok_or_else(|| cfg.err("eos_token_id is needed by the n-gram embeddings".into()))?,
+        };
+        if n < 2 || heads_per_n == 0 || s.conv_kernel == 0 || dim == 0 || !dim.is_multiple_of(s.heads()) {
+            return Err(cfg.err(format!(
+                "ple_embed_dim ({dim}) must be a positive multiple of (ngram_size - 1) * heads_per_ngram \
+                 ({} * {heads_per_n}), with ngram_size at least 2",
+                n.saturating_sub(1)
+            )));
+        }
+        Ok(s)
+    };
+    for (index, &l) in ple_ids.iter().enumerate() {
+        if spec.layers[l].linear.is_none() {
+            return Err(cfg.err(format!("'ple_layer_ids' names layer {} (one-indexed), which is not linear", l + 1)));
+        }
+        spec.layers[l].ngram = Some(ngram(index)?);
+    }
+    for l in &mut spec.layers {
+        l.attention.indexer = indexer;
+        if let Some(d) = &mut l.linear {
+            d.gate = gate;
+        }
+    }
+    Ok(spec)
 }
 
 fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
@@ -830,10 +975,12 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
                 kv_source,
                 mla: None,
                 output_gate: false,
+                indexer: None,
             },
             mlp: Some(intermediate * if double_wide && shared { 2 } else { 1 }),
             moe: moe.clone(),
             linear: None,
+            ngram: None,
         });
     }
 
@@ -868,6 +1015,7 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
         max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(131_072),
         layers,
         ple,
+        hyper: None,
         bos_token_id: bos.or(Some(2)),
         eos_token_ids: if eos.is_empty() { vec![1] } else { eos },
         weight_dtype: None,
@@ -937,10 +1085,12 @@ fn gemma3(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
                     kv_source: None,
                     mla: None,
                     output_gate: false,
+                    indexer: None,
                 },
                 mlp: Some(intermediate),
                 moe: None,
                 linear: None,
+                ngram: None,
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -966,6 +1116,7 @@ fn gemma3(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
         max_context: cfg.usize_opt("max_position_embeddings")?.unwrap_or(131_072),
         layers,
         ple: None,
+        hyper: None,
         bos_token_id: cfg.ids("bos_token_id")?.first().copied().or(Some(2)),
         eos_token_ids: if eos.is_empty() { vec![1] } else { eos },
         weight_dtype: None,

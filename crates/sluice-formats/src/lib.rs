@@ -14,6 +14,7 @@ pub mod mapped;
 pub mod names;
 pub mod pack;
 mod qwen35;
+mod qwen4_exp;
 pub mod safetensors;
 pub mod synth;
 
@@ -21,4 +22,4 @@ pub use checkpoint::{Checkpoint, ExpertMats};
 pub use gguf::{GgufFile, GgufValue};
 pub use gguf_write::GgufWriter;
 pub use mapped::{Backing, MappedFile, TensorView};
-pub use names::{TensorId, TensorKind};
+pub use names::{HcPart, NgramPart, TensorId, TensorKind};

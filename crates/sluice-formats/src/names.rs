@@ -108,6 +108,54 @@ pub enum TensorKind {
     PleGate,
     PleProj,
     PlePostNorm,
+    // Qwen4-Exp.
+    /// The hyper-connections before attention, before the MLP, and (model level) before
+    /// the output.
+    AttnHc(HcPart),
+    FfnHc(HcPart),
+    OutHc(HcPart),
+    /// The QSA indexer: its query heads and key `[(heads + 1) head_dim, hidden]`, and
+    /// their norms.
+    IdxQk,
+    IdxQNorm,
+    IdxKNorm,
+    /// The hashed n-gram embeddings of a layer.
+    Ngram(NgramPart),
+}
+
+/// A hyper-connection's weights: the streams' norm `[streams hidden]`, the mixer's
+/// down `[rank, streams hidden]` and up `[streams hidden, rank]` projections, and the
+/// injection gates `[streams, streams hidden]` (not on the output's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HcPart {
+    Norm,
+    Down,
+    Up,
+    Inject,
+}
+
+/// An n-gram embedding layer's weights: the table `[rows, dim / heads]` (a folder may
+/// hold it in shards), the key `[streams hidden, dim]` and value `[hidden, dim]`
+/// projections, the norms of the key, the streams and the convolution's input
+/// (`[streams hidden]` each), and the depthwise convolution `[streams hidden, kernel]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NgramPart {
+    Table,
+    Key,
+    Value,
+    NormKey,
+    NormQuery,
+    NormConv,
+    Conv,
+}
+
+fn hc_name(part: HcPart) -> &'static str {
+    match part {
+        HcPart::Norm => "hc_norm.weight",
+        HcPart::Down => "input_mix_weight_down.weight",
+        HcPart::Up => "input_mix_weight_up.weight",
+        HcPart::Inject => "block_inject_weight.weight",
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -139,6 +187,7 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
             PleTokenEmbd => global("embed_tokens_per_layer.weight"),
             PleModelProj => global("per_layer_model_projection.weight"),
             PleProjNorm => global("per_layer_projection_norm.weight"),
+            OutHc(part) => global(&format!("hyper_connection_mixer.{}", hc_name(part))),
             other => format!("{prefix}<{other:?} has no model-level name>"),
         };
     };
@@ -146,7 +195,8 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
     let moe = if gemma { "" } else { "mlp." };
     let gpt_oss = family == Family::GptOss;
     // Qwen names its one shared expert in the singular.
-    let shexp = if family == Family::Qwen35 { "mlp.shared_expert" } else { "mlp.shared_experts" };
+    let shexp =
+        if matches!(family, Family::Qwen35 | Family::Qwen4Exp) { "mlp.shared_expert" } else { "mlp.shared_experts" };
     let rel = match id.kind {
         AttnNorm => "input_layernorm.weight".to_string(),
         AttnQ => "self_attn.q_proj.weight".into(),
@@ -220,6 +270,20 @@ pub fn hf_name(family: Family, prefix: &str, id: TensorId) -> String {
         PleGate => "per_layer_input_gate.weight".into(),
         PleProj => "per_layer_projection.weight".into(),
         PlePostNorm => "post_per_layer_input_norm.weight".into(),
+        AttnHc(part) => format!("attn_hyper_connection.{}", hc_name(part)),
+        FfnHc(part) => format!("mlp_hyper_connection.{}", hc_name(part)),
+        IdxQk => "self_attn.indexer.index_qk_proj.weight".into(),
+        IdxQNorm => "self_attn.indexer.q_layernorm.weight".into(),
+        IdxKNorm => "self_attn.indexer.k_layernorm.weight".into(),
+        // Not in a folder as such: `Checkpoint` joins the table's shards and views the
+        // convolution `[C, 1, K]` as `[C, K]`.
+        Ngram(NgramPart::Table) => "ple.ple_embedding.ngram_embedding.weight".into(),
+        Ngram(NgramPart::Key) => "ple.key_proj.weight".into(),
+        Ngram(NgramPart::Value) => "ple.value_proj.weight".into(),
+        Ngram(NgramPart::NormKey) => "ple.norm_key.weight".into(),
+        Ngram(NgramPart::NormQuery) => "ple.norm_query.weight".into(),
+        Ngram(NgramPart::NormConv) => "ple.norm_conv.weight".into(),
+        Ngram(NgramPart::Conv) => "ple.conv1d.weight_ck".into(),
         other => format!("<{other:?} has no layer-level name>"),
     };
     format!("{prefix}layers.{l}.{rel}")

@@ -11,13 +11,16 @@ use sluice_core::{DType, Error, Result};
 
 use crate::mapped::{MappedFile, TensorView};
 
-/// A tensor of bytes (safetensors `U8`) that no kernel computes on as it is: gpt-oss's
-/// MXFP4 experts come as `_blocks` (the 4-bit codes) and `_scales` (their exponents),
-/// which are rearranged into MXFP4 blocks at open. The safetensors header has already
-/// checked that `shape` holds `len` bytes within the file.
+/// A tensor of bytes (safetensors `U8`) or integers (`I64`) that no kernel computes on
+/// as it is: gpt-oss's MXFP4 experts come as `_blocks` (the 4-bit codes) and `_scales`
+/// (their exponents), which are rearranged into MXFP4 blocks at open; Qwen4-Exp saves
+/// its n-gram hash constants, which are checked against its own. The safetensors
+/// header has already checked that `shape` holds `len` bytes within the file.
 #[derive(Clone)]
 pub struct ByteTensor {
     pub name: String,
+    /// `U8` or `I64`, as the header says.
+    pub dtype: &'static str,
     pub shape: Vec<usize>,
     file: Arc<MappedFile>,
     offset: usize,
@@ -54,9 +57,10 @@ pub fn read_file(path: &Path) -> Result<Tensors> {
             Dtype::F32 => DType::F32,
             Dtype::F16 => DType::F16,
             Dtype::BF16 => DType::BF16,
-            Dtype::U8 => {
+            Dtype::U8 | Dtype::I64 => {
                 let t = ByteTensor {
                     name,
+                    dtype: if info.dtype == Dtype::U8 { "U8" } else { "I64" },
                     shape: info.shape.clone(),
                     file: Arc::clone(&file),
                     offset: data_start + s,
@@ -68,7 +72,7 @@ pub fn read_file(path: &Path) -> Result<Tensors> {
             other => {
                 return Err(Error::format(
                     path,
-                    format!("tensor '{name}' has type {other:?}, which sluice does not read (F32, F16, BF16, U8)"),
+                    format!("tensor '{name}' has type {other:?}, which sluice does not read (F32, F16, BF16, U8, I64)"),
                 ));
             }
         };

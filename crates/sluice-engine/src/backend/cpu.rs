@@ -260,6 +260,11 @@ impl Backend for Cpu {
         Ok(HostAct::zeros(rows, cols))
     }
 
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<HostAct> {
+        assert_eq!(data.len(), rows * cols, "upload: {} values for {rows}x{cols}", data.len());
+        Ok(HostAct { rows, cols, data: data.to_vec() })
+    }
+
     fn kv_new(&self, kv_dim: usize, window: Option<usize>) -> Result<KvCache> {
         Ok(KvCache::new(kv_dim, window))
     }
@@ -290,6 +295,7 @@ impl Backend for Cpu {
             window: s.window,
             softcap: None,
             sinks: op.sinks.map(|v| v.as_slice()),
+            select: op.select,
         };
         let seqs: Vec<AttnSeq<'_>> = op
             .batch

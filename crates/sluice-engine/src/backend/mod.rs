@@ -40,6 +40,9 @@ pub struct AttnOp<'a, B: Backend> {
     pub caches: &'a [&'a B::Kv],
     /// One logit per query head that joins each softmax without a value (gpt-oss).
     pub sinks: Option<&'a B::Vector>,
+    /// Per row, the positions it attends to, ascending, in place of all it may see
+    /// (Qwen4-Exp's QSA).
+    pub select: Option<&'a [Vec<u32>]>,
 }
 
 /// A run of columns in each of `heads` equal heads of a row: columns `start..start +
@@ -187,6 +190,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// RoPE on whole heads; row `i` is at `batch.positions[i]`.
     fn rope(&self, x: &mut Self::Act, head_dim: usize, batch: &Batch, rope: &RopeSpec) -> Result<()>;
     fn zeros(&self, rows: usize, cols: usize) -> Result<Self::Act>;
+    /// `[rows, cols]` from the host's `data` (row-major).
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Act>;
 
     fn kv_new(&self, kv_dim: usize, window: Option<usize>) -> Result<Self::Kv>;
     fn kv_bytes(&self, kv: &Self::Kv) -> usize;

@@ -8,6 +8,7 @@ pub mod gemma4;
 pub mod gpt_oss;
 pub mod llama;
 pub mod qwen35;
+pub mod qwen4_exp;
 
 use sluice_core::{ModelSpec, Result};
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
