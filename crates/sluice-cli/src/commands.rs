@@ -959,6 +959,9 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
     if let Some(p) = &spec.ple {
         println!("per-layer  embeddings of width {} (vocab {})", p.dim, p.vocab_size);
     }
+    if let Some(h) = &spec.hyper {
+        println!("residual   {} streams (hyper-connections, mixer rank {})", h.streams, h.rank);
+    }
     println!("tensors    {} in all, {:.3} GiB", tensors.len(), gib(total));
     println!("resident   {:.3} GiB (everything but routed experts)", gib(total - expert));
     println!("experts    {:.3} GiB", gib(expert));
@@ -990,6 +993,12 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
         }
         if at.k_eq_v {
             desc += " k=v";
+        }
+        if let (None, Some(ix)) = (l.linear, at.indexer) {
+            desc += &format!(" qsa {} tokens in blocks of {}", ix.budget, ix.block);
+        }
+        if let Some(n) = l.ngram {
+            desc += &format!("  n-grams 2..{} x{} ({} rows)", n.n, n.heads_per_n, n.table_rows());
         }
         if let Some(m) = l.mlp {
             desc += &format!("  mlp {m}");

@@ -315,6 +315,37 @@ fn qwen35_bad_config_and_tensors() {
     assert_one_error(&logits_of(&d, "1,2"), "model.language_model.layers.1.linear_attn.in_proj_z.weight");
 }
 
+/// Qwen4-Exp: n-grams on an attention layer, a QSA budget that is not whole blocks, a
+/// missing shard of an n-gram table, and saved hash constants that are not the config's
+/// each end in one error naming the field or tensor.
+#[test]
+fn qwen4_exp_bad_config_and_tensors() {
+    let edit_config = |tag: &str, from: &str, to: &str| {
+        let d = scratch("qwen4-exp", tag);
+        let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
+        assert!(cfg.contains(from), "{from}");
+        std::fs::write(d.join("config.json"), cfg.replace(from, to)).unwrap();
+        d
+    };
+    let d = edit_config("q4-ple", "\"ple_layer_ids\": [1, 4]", "\"ple_layer_ids\": [1, 3]");
+    assert_one_error(&logits_of(&d, "1,2"), "'ple_layer_ids' names layer 3 (one-indexed), which is not linear");
+    let d = edit_config("q4-budget", "\"indexer_budget\": 4", "\"indexer_budget\": 5");
+    assert_one_error(&logits_of(&d, "1,2"), "indexer_budget (5) must be a multiple of indexer_compress_ratio (2)");
+
+    let d = scratch("qwen4-exp", "q4-shard");
+    rewrite_safetensors(&d.join("model.safetensors"), |v| {
+        v.retain(|t| t.0 != "model.layers.3.ple.ple_embedding.ngram_embedding.shard_2.weight")
+    });
+    assert_one_error(&logits_of(&d, "1,2"), "model.layers.3.ple.ple_embedding.ngram_embedding.shard_2.weight");
+
+    let d = scratch("qwen4-exp", "q4-hash");
+    rewrite_safetensors(&d.join("model.safetensors"), |v| {
+        let t = v.iter_mut().find(|t| t.0 == "model.layers.0.ple.ple_embedding.layer_multipliers").unwrap();
+        t.3[0] ^= 2;
+    });
+    assert_one_error(&logits_of(&d, "1,2"), "model.layers.0.ple.ple_embedding.layer_multipliers");
+}
+
 #[test]
 fn truncated_safetensors() {
     let d = scratch("qwen3", "truncated");

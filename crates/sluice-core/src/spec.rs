@@ -418,6 +418,11 @@ impl NgramSpec {
         (self.vocab_base..).filter(|&p| is_prime(p)).skip(skip).take(self.heads()).collect()
     }
 
+    /// Where each head's rows start in the one table.
+    pub fn head_offsets(&self) -> Vec<u64> {
+        self.head_sizes().iter().scan(0, |at, &size| Some(std::mem::replace(at, *at + size))).collect()
+    }
+
     /// Rows of the table: the heads' sizes summed, padded to `pad_to`.
     pub fn table_rows(&self) -> u64 {
         self.head_sizes().iter().sum::<u64>().div_ceil(self.pad_to) * self.pad_to
@@ -537,6 +542,7 @@ mod ngram_tests {
         assert_eq!(spec(1).multipliers(512), [17237745666423273, 2619768721783435, 15090836525362811]);
         assert_eq!(spec(0).head_sizes(), [1009, 1013, 1019, 1021]);
         assert_eq!(spec(1).head_sizes(), [1031, 1033, 1039, 1049]);
+        assert_eq!(spec(1).head_offsets(), [0, 1031, 2064, 3103]);
         assert_eq!((spec(0).table_rows(), spec(1).table_rows()), (4096, 4224));
         let real = NgramSpec { heads_per_n: 8, dim: 2048, vocab_base: 20_000_000, ..spec(0) };
         assert_eq!(real.multipliers(248_320), [23703573157769, 20109073645365, 8052911324071]);

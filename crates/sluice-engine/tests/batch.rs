@@ -391,3 +391,9 @@ fn an_expert_read_failing_stops_only_the_sequences_that_need_it() {
     std::fs::write(&experts, &intact).unwrap();
     assert!(faulty.session().unwrap().forward(&cands[bad], Logits::All).unwrap() == want[bad]);
 }
+
+/// Hyper-connections, QSA choices per row and n-gram contexts, each sequence its own.
+#[test]
+fn qwen4_exp() {
+    check_fixture("qwen4-exp");
+}

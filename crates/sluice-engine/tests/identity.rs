@@ -150,3 +150,8 @@ fn qwen35_moe() {
 fn qwen35_moe_gguf() {
     check_file("qwen3.5-moe", &fixture("qwen3.5-moe/qwen3.5-moe.gguf"));
 }
+
+#[test]
+fn qwen4_exp() {
+    check("qwen4-exp");
+}

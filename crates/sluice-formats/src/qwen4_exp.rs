@@ -67,6 +67,13 @@ fn join_shards(path: &Path, stem: &str, tensors: &HashMap<String, TensorView>, n
     let Some(first) = shards.first() else {
         return Err(Error::MissingTensor { path: path.to_path_buf(), name: format!("{stem}weight") });
     };
+    // Shards numbered past a gap: the one in the gap is missing.
+    if tensors.keys().filter(|k| k.starts_with(&format!("{stem}shard_"))).count() != shards.len() {
+        return Err(Error::MissingTensor {
+            path: path.to_path_buf(),
+            name: format!("{stem}shard_{}.weight", shards.len()),
+        });
+    }
     let cols = first.shape.get(1).copied().unwrap_or(0);
     let mut rows = 0usize;
     let mut total = 0usize;
@@ -109,8 +116,7 @@ fn check_constants(
     vocab: usize,
     bytes: &mut HashMap<String, ByteTensor>,
 ) -> Result<()> {
-    let sizes = ng.head_sizes();
-    let offsets: Vec<u64> = sizes.iter().scan(0, |acc, &s| Some(std::mem::replace(acc, *acc + s))).collect();
+    let (sizes, offsets) = (ng.head_sizes(), ng.head_offsets());
     for (what, want) in [
         ("layer_multipliers", ng.multipliers(vocab)),
         ("ngram_heads_vocab_sizes", sizes),

@@ -462,12 +462,10 @@ impl<B: Backend> Ngram<B> {
     fn load(be: &B, ckpt: &Checkpoint, hs: &HyperSpec, i: usize, spec: NgramSpec) -> Result<Self> {
         let id = |p| TensorId::layer(i, TensorKind::Ngram(p));
         let (h, c) = (ckpt.spec.hidden_size, hs.streams * ckpt.spec.hidden_size);
-        let sizes = spec.head_sizes();
-        let offsets = sizes.iter().scan(0, |acc, &s| Some(std::mem::replace(acc, *acc + s))).collect();
         Ok(Ngram {
             multipliers: spec.multipliers(ckpt.spec.vocab_size),
-            sizes,
-            offsets,
+            sizes: spec.head_sizes(),
+            offsets: spec.head_offsets(),
             table: load_mat(be, ckpt, id(NgramPart::Table), spec.table_rows() as usize, spec.dim / spec.heads())?,
             key: load_mat(be, ckpt, id(NgramPart::Key), c, spec.dim)?,
             value: load_mat(be, ckpt, id(NgramPart::Value), h, spec.dim)?,
@@ -479,27 +477,8 @@ impl<B: Backend> Ngram<B> {
         })
     }
 
-    /// The table rows of each token of `history` from index `n - 1` on, `heads()` each.
     fn rows(&self, history: &[u32]) -> Vec<Vec<u32>> {
-        let (n, eos) = (self.spec.n, self.spec.eos);
-        (n - 1..history.len())
-            .map(|p| {
-                // The token `s` places back, or the end of text where one lies between.
-                let mut back = vec![history[p]; n];
-                for s in 1..n {
-                    let cut = history[p - s..p].contains(&eos);
-                    back[s] = if cut { eos } else { history[p - s] };
-                }
-                let mut ids = Vec::with_capacity(self.spec.heads());
-                for order in 2..=n {
-                    let mixed = (0..order).fold(0u64, |m, s| m ^ (back[s] as u64).wrapping_mul(self.multipliers[s]));
-                    for hh in (order - 2) * self.spec.heads_per_n..(order - 1) * self.spec.heads_per_n {
-                        ids.push((mixed % self.sizes[hh] + self.offsets[hh]) as u32);
-                    }
-                }
-                ids
-            })
-            .collect()
+        ngram_rows(&self.spec, &self.multipliers, &self.sizes, &self.offsets, history)
     }
 
     /// Adds the n-gram features to the streams `x`; `held` is each sequence's state
@@ -588,5 +567,57 @@ impl<B: Backend> Ngram<B> {
         }
         be.add(x, &be.upload(rows, c, &out)?)?;
         Ok(next)
+    }
+}
+
+/// The table rows of each token of `history` from index `n - 1` on, `heads()` each.
+fn ngram_rows(spec: &NgramSpec, multipliers: &[u64], sizes: &[u64], offsets: &[u64], history: &[u32]) -> Vec<Vec<u32>> {
+    let (n, eos) = (spec.n, spec.eos);
+    (n - 1..history.len())
+        .map(|p| {
+            // The token `s` places back, or the end of text where one lies between.
+            let mut back = vec![history[p]; n];
+            for s in 1..n {
+                let cut = history[p - s..p].contains(&eos);
+                back[s] = if cut { eos } else { history[p - s] };
+            }
+            let mut ids = Vec::with_capacity(spec.heads());
+            for order in 2..=n {
+                let mixed = (0..order).fold(0u64, |m, s| m ^ (back[s] as u64).wrapping_mul(multipliers[s]));
+                for hh in (order - 2) * spec.heads_per_n..(order - 1) * spec.heads_per_n {
+                    ids.push((mixed % sizes[hh] + offsets[hh]) as u32);
+                }
+            }
+            ids
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table rows transformers read for fixtures/tiny/qwen4-exp's two n-gram layers
+    /// (an end of text at 9, and at 9 and 100 in the long text).
+    #[test]
+    fn ngram_rows_match_transformers() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen4-exp");
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let list = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+        };
+        for (tokens, want) in [("tokens", "ngram_ids"), ("long_tokens", "long_ngram_ids")] {
+            for (l, layer) in ckpt.spec.layers.iter().enumerate() {
+                let Some(ng) = layer.ngram else { continue };
+                let (sizes, offsets) = (ng.head_sizes(), ng.head_offsets());
+                let mut history = vec![ng.eos; ng.n - 1];
+                history.extend(list(&r[tokens]));
+                let got = ngram_rows(&ng, &ng.multipliers(ckpt.spec.vocab_size), &sizes, &offsets, &history);
+                let want: Vec<Vec<u32>> = r[want][l.to_string()].as_array().unwrap().iter().map(list).collect();
+                assert_eq!(got, want, "layer {l}, {tokens}");
+            }
+        }
     }
 }
