@@ -886,6 +886,25 @@ def build_deepseek_v3():
     return DeepseekV3ForCausalLM, cfg
 
 
+def qwen_hybrid_common() -> dict:
+    """What the Qwen3.5 and Qwen4-Exp fixtures share: their DeltaNet (2 key heads to 4 value
+    heads, each key head serving two) and experts."""
+    return dict(
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+
+
 def build_qwen35_moe():
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
@@ -899,19 +918,7 @@ def build_qwen35_moe():
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        # 2 key heads to 4 value heads: each key head serves two value heads.
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_experts=8,
-        num_experts_per_tok=2,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
+        **qwen_hybrid_common(),
         # Partial RoPE over a quarter of each head (8 of 32 dims); text-only positions make
         # the interleaved multimodal sections plain RoPE.
         rope_parameters={
@@ -953,18 +960,7 @@ def build_qwen4_exp():
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_experts=8,
-        num_experts_per_tok=2,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
+        **qwen_hybrid_common(),
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 10000.0,

@@ -413,7 +413,7 @@ impl NgramSpec {
     /// Each head's table size: the primes from `vocab_base` on, heads of earlier n-gram
     /// layers taking the first ones.
     pub fn head_sizes(&self) -> Vec<u64> {
-        let is_prime = |p: u64| p >= 2 && (2..).take_while(|d| d * d <= p).all(|d| p % d != 0);
+        let is_prime = |p: u64| p >= 2 && (2..).take_while(|d| d * d <= p).all(|d| !p.is_multiple_of(d));
         let skip = self.index * self.heads();
         (self.vocab_base..).filter(|&p| is_prime(p)).skip(skip).take(self.heads()).collect()
     }

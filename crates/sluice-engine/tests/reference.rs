@@ -167,26 +167,32 @@ fn qwen35_moe_gguf_from_llama_cpps_converter() {
 #[test]
 fn qwen35_moe_long_prompt_across_chunks() {
     let dir = fixtures().join("qwen3.5-moe");
+    for path in [dir.clone(), dir.join("qwen3.5-moe.gguf")] {
+        check_long(&dir, &path);
+    }
+}
+
+/// The fixture's 150-token reference (`long_tokens`, `long_logits`) against the model at
+/// `path`: the prompt whole, and 100 tokens then 50 decoded one at a time.
+fn check_long(dir: &Path, path: &Path) {
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     let tokens: Vec<u32> = meta["long_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
     let bytes = std::fs::read(dir.join(meta["long_logits"].as_str().unwrap())).unwrap();
     let want: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
     assert_eq!(tokens.len(), 150);
-    for path in [dir.clone(), dir.join("qwen3.5-moe.gguf")] {
-        let model = Model::open(&path).unwrap();
-        let mut s = model.session().unwrap();
-        let e = rel_err(&s.forward(&tokens, Logits::All).unwrap(), &want);
-        assert!(e <= 1e-3, "{}: 150-token prompt {e:e}", path.display());
-        let mut s = model.session().unwrap();
-        let mut got = s.forward(&tokens[..100], Logits::All).unwrap();
-        for &t in &tokens[100..] {
-            got.extend(s.forward(&[t], Logits::All).unwrap());
-        }
-        let e2 = rel_err(&got, &want);
-        assert!(e2 <= 1e-3, "{}: 100 + 50 decoded {e2:e}", path.display());
-        eprintln!("{}: 150 tokens {e:.2e}, 100 + 50 decoded {e2:.2e}", path.display());
+    let model = Model::open(path).unwrap();
+    let mut s = model.session().unwrap();
+    let e = rel_err(&s.forward(&tokens, Logits::All).unwrap(), &want);
+    assert!(e <= 1e-3, "{}: 150-token prompt {e:e}", path.display());
+    let mut s = model.session().unwrap();
+    let mut got = s.forward(&tokens[..100], Logits::All).unwrap();
+    for &t in &tokens[100..] {
+        got.extend(s.forward(&[t], Logits::All).unwrap());
     }
+    let e2 = rel_err(&got, &want);
+    assert!(e2 <= 1e-3, "{}: 100 + 50 decoded {e2:e}", path.display());
+    eprintln!("{}: 150 tokens {e:.2e}, 100 + 50 decoded {e2:.2e}", path.display());
 }
 
 /// Qwen4-Exp: three residual streams mixed by hyper-connections, QSA attention choosing
@@ -202,21 +208,5 @@ fn qwen4_exp() {
 #[test]
 fn qwen4_exp_long_prompt() {
     let dir = fixtures().join("qwen4-exp");
-    let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-    let tokens: Vec<u32> = meta["long_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-    let bytes = std::fs::read(dir.join(meta["long_logits"].as_str().unwrap())).unwrap();
-    let want: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-    let model = Model::open(&dir).unwrap();
-    let mut s = model.session().unwrap();
-    let e = rel_err(&s.forward(&tokens, Logits::All).unwrap(), &want);
-    assert!(e <= 1e-3, "150-token prompt {e:e}");
-    let mut s = model.session().unwrap();
-    let mut got = s.forward(&tokens[..100], Logits::All).unwrap();
-    for &t in &tokens[100..] {
-        got.extend(s.forward(&[t], Logits::All).unwrap());
-    }
-    let e2 = rel_err(&got, &want);
-    assert!(e2 <= 1e-3, "100 + 50 decoded {e2:e}");
-    eprintln!("qwen4-exp: 150 tokens {e:.2e}, 100 + 50 decoded {e2:.2e}");
+    check_long(&dir, &dir);
 }

@@ -196,7 +196,7 @@ fn inject<B: Backend>(
 
 enum Mixer<B: Backend> {
     Linear(DeltaNet<B>),
-    Indexed(Attention<B>, Indexer<B>),
+    Indexed(Box<(Attention<B>, Indexer<B>)>),
 }
 
 /// The shared expert and the `[1, hidden]` projection whose sigmoid scales it.
@@ -231,7 +231,9 @@ impl<B: Backend> Layer<B> {
         };
         let mixer = match (ls.linear, ls.attention.indexer) {
             (Some(_), _) => Mixer::Linear(DeltaNet::load(be, ckpt, i)?),
-            (None, Some(ix)) => Mixer::Indexed(Attention::load(be, ckpt, i)?, Indexer::load(be, ckpt, i, ix)?),
+            (None, Some(ix)) => {
+                Mixer::Indexed(Box::new((Attention::load(be, ckpt, i)?, Indexer::load(be, ckpt, i, ix)?)))
+            }
             (None, None) => {
                 return Err(Error::Unsupported(format!("Qwen4-Exp attention layer {i} without an indexer")));
             }
@@ -305,7 +307,8 @@ impl<B: Backend> Layer<B> {
                 cx.pending[self.index] = Some(Pending::Recurrent(next.into_iter().map(Some).collect()));
                 y
             }
-            Mixer::Indexed(att, ix) => {
+            Mixer::Indexed(parts) => {
+                let (att, ix) = &**parts;
                 let (select, keys) = ix.select(cx, &a, self.index)?;
                 let y = att.forward_selecting(cx, &a, Some(&select))?;
                 match cx.pending[self.index].take() {
