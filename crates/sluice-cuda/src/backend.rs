@@ -751,8 +751,7 @@ impl Backend for Cuda {
     }
 
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<DevAct> {
-        assert_eq!(data.len(), rows * cols, "upload: {} values for {rows}x{cols}", data.len());
-        Ok(DevAct { rows, cols, buf: self.dev.upload_scratch(data)? })
+        self.act_from_host(rows, cols, data)
     }
 
     fn kv_new(&self, kv_dim: usize, window: Option<usize>) -> Result<DevKv> {

@@ -362,3 +362,14 @@ fn a_states_prefix_continues_as_one_fed_that_far() {
         }
     }
 }
+
+/// Qwen4-Exp loads on the GPU and runs its n-gram and hyper-connection layers, but its QSA
+/// attention over chosen positions is CPU-only so far: a forward says so, naming it.
+#[test]
+fn qwen4_exp_says_its_qsa_attention_is_cpu_only() {
+    let Some(be) = gpu() else { return };
+    let ckpt = Checkpoint::open(&fixtures().join("qwen4-exp")).unwrap();
+    let model = Model::load(be, &ckpt).unwrap();
+    let err = model.session().unwrap().forward(&[1, 2, 3], Logits::All).unwrap_err();
+    assert!(err.to_string().contains("QSA attention"), "{err}");
+}

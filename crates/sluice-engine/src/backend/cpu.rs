@@ -261,7 +261,9 @@ impl Backend for Cpu {
     }
 
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<HostAct> {
-        assert_eq!(data.len(), rows * cols, "upload: {} values for {rows}x{cols}", data.len());
+        if data.len() != rows * cols {
+            return Err(sluice_core::Error::Usage(format!("{} values for a {rows} x {cols} activation", data.len())));
+        }
         Ok(HostAct { rows, cols, data: data.to_vec() })
     }
 
