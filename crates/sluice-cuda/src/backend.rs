@@ -504,6 +504,10 @@ struct RowMeta {
     start: i32,
     first: i32,
     seq: i32,
+    /// The row's chosen positions (QSA): where they start in the list, and how many;
+    /// `sel` -1 for every position up to its own.
+    sel: i32,
+    n_sel: i32,
 }
 
 // SAFETY: plain integers, laid out as the kernel's struct.
@@ -825,11 +829,6 @@ impl Backend for Cuda {
     }
 
     fn attention(&self, op: &AttnOp<'_, Self>) -> Result<DevAct> {
-        if op.select.is_some() {
-            return Err(Error::Unsupported(
-                "QSA attention (Qwen4-Exp's chosen positions per query) on the CUDA backend; use --backend cpu".into(),
-            ));
-        }
         let s = op.spec;
         let hd = s.head_dim;
         let rows = op.q.rows;
@@ -848,11 +847,33 @@ impl Backend for Cuda {
                 if lo < cache.window.map_or(0, |w| cache.len.saturating_sub(w)) {
                     return Err(Error::Device(format!("cuda: attention: position {lo} is no longer in the cache")));
                 }
-                splits = splits.max(attention_splits(pos + 1 - lo));
-                meta[r.first + i] =
-                    RowMeta { pos: pos as i32, start: start as i32, first: r.first as i32, seq: si as i32 };
+                let n = op.select.map_or(pos + 1 - lo, |sel| sel[r.first + i].len());
+                splits = splits.max(attention_splits(n));
+                meta[r.first + i] = RowMeta {
+                    pos: pos as i32,
+                    start: start as i32,
+                    first: r.first as i32,
+                    seq: si as i32,
+                    sel: -1,
+                    n_sel: 0,
+                };
             }
         }
+        // Each row's chosen positions one after another, where it has them.
+        let mut chosen: Vec<u32> = Vec::new();
+        if let Some(sel) = op.select {
+            for (m, positions) in meta.iter_mut().zip(sel) {
+                if positions.iter().any(|&j| j as i32 > m.pos) {
+                    return Err(Error::Usage(format!("attention: a position chosen after row position {}", m.pos)));
+                }
+                m.sel = chosen.len() as i32;
+                m.n_sel = positions.len() as i32;
+                chosen.extend_from_slice(positions);
+            }
+        }
+        // The kernel reads the list only for rows that have one; an empty one is a
+        // one-element placeholder.
+        let chosen = self.dev.upload_scratch(if chosen.is_empty() { &[0u32][..] } else { &chosen })?;
         let kc: Vec<u64> = op.caches.iter().map(|c| self.p(&c.k)).collect();
         let vc: Vec<u64> = op.caches.iter().map(|c| self.p(&c.v)).collect();
         let ring: Vec<i32> = op.caches.iter().map(|c| c.window.unwrap_or(0) as i32).collect();
@@ -872,7 +893,7 @@ impl Backend for Cuda {
         let window = s.window.unwrap_or(0) as i32;
         launch!(&self.dev, "attention", cfg;
             self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), kc, vc, ring,
-            meta, s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
+            meta, self.p(&chosen), s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
             splits as i32, self.p(&part))?;
         launch!(&self.dev, "attention_merge", grid((s.n_heads as u32, rows as u32), 128, 0);
             self.p(&part), meta, op.sinks.map_or(0, |v| self.p(&v.dev)), s.n_heads as i32, hd as i32, window,

@@ -496,7 +496,18 @@ struct RowMeta {
     int start;
     int first;
     int seq;
+    // Where the row's chosen positions start in `sel` and how many (QSA); sel < 0: all
+    // positions up to its own (or its window's).
+    int sel;
+    int n_sel;
 };
+
+// The positions a row attends to: `len` of them, the t-th at att_pos(...).
+__device__ __forceinline__ int att_len(RowMeta m, int window) {
+    if (m.sel >= 0) return m.n_sel;
+    int lo = window > 0 ? max(0, m.pos + 1 - window) : 0;
+    return m.pos + 1 - lo;
+}
 
 // Warps per attention block; the most head dimensions a lane accumulates (32 lanes
 // x 16: heads of up to 512); the most blocks one row's positions are split over.
@@ -523,15 +534,15 @@ __device__ __forceinline__ int att_split_len(int len) {
 // floats per (row, head); dynamic shared memory hd + ATT_WARPS * (hd + 2) floats.
 extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new,
                                      const unsigned long long* kc, const unsigned long long* vc, const int* ring,
-                                     const RowMeta* meta, int n_heads, int n_kv_heads, int hd, float scale,
-                                     int window, float cap, int zdim, float* part) {
+                                     const RowMeta* meta, const unsigned* sel, int n_heads, int n_kv_heads, int hd,
+                                     float scale, int window, float cap, int zdim, float* part) {
     extern __shared__ float smem[];
     float* qs = smem;
     int h = blockIdx.x, row = blockIdx.y, split = blockIdx.z;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     RowMeta m = meta[row];
     int lo = window > 0 ? max(0, m.pos + 1 - window) : 0;
-    int len = m.pos + 1 - lo;
+    int len = att_len(m, window);
     int sl = att_split_len(len);
     int t0 = split * sl, t1 = min(len, t0 + sl);
     if (t0 >= len) return;  // the merge reads only the row's own splits
@@ -548,7 +559,7 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
 #pragma unroll
     for (int i = 0; i < ATT_DIMS; i++) acc[i] = 0.0f;
     for (int t = t0 + warp; t < t1; t += ATT_WARPS) {
-        int j = lo + t;
+        int j = m.sel >= 0 ? (int)sel[m.sel + t] : lo + t;
         long long at = j < m.start ? (long long)(rg > 0 ? j % rg : j) * kv_dim : -1;
         const float* kr = (at >= 0 ? kcache + at : k_new + (long long)(m.first + j - m.start) * kv_dim) + kvh * hd;
         const float* vr = (at >= 0 ? vcache + at : v_new + (long long)(m.first + j - m.start) * kv_dim) + kvh * hd;
@@ -608,8 +619,7 @@ extern "C" __global__ void attention_merge(const float* part, const RowMeta* met
                                            int hd, int window, int zdim, float* out) {
     int h = blockIdx.x, row = blockIdx.y;
     RowMeta m = meta[row];
-    int lo = window > 0 ? max(0, m.pos + 1 - window) : 0;
-    int len = m.pos + 1 - lo;
+    int len = att_len(m, window);
     int sl = att_split_len(len), ns = (len + sl - 1) / sl;
     const float* base = part + ((long long)row * n_heads + h) * zdim * (hd + 2);
     float M = __int_as_float(0xff800000);
