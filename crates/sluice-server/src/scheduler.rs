@@ -208,6 +208,14 @@ struct Seq<'t, B: Backend> {
     last_token: Instant,
 }
 
+/// What becomes of a retired sequence's state.
+enum Keep {
+    /// Its step failed: the state is dropped.
+    Drop,
+    /// Kept in the prefix cache for a later prompt that continues it.
+    Offer,
+}
+
 /// What one sequence feeds this step.
 #[derive(Clone, Copy)]
 enum Feed {
@@ -235,11 +243,15 @@ impl<'a, B: Backend> Worker<'a, B> {
                 continue;
             }
             // A client that went away stops its sequence here, within one step.
+            // The batch is counted before the cancellation, so that whoever sees the
+            // cancellation also sees the batch without it.
             let before = active.len();
             active.retain(|s| !s.job.events.is_closed());
-            self.shared.metrics.cancelled.fetch_add((before - active.len()) as u64, Ordering::Relaxed);
+            if active.len() < before {
+                self.set_running(active.len());
+                self.shared.metrics.cancelled.fetch_add((before - active.len()) as u64, Ordering::Relaxed);
+            }
             if active.is_empty() {
-                self.set_running(0);
                 continue;
             }
             let stepped = std::panic::catch_unwind(AssertUnwindSafe(|| self.step(&mut active, &mut prefixes)));
@@ -277,6 +289,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             active.extend(self.start(job, prefixes));
         }
         q.running = active.len();
+        self.shared.metrics.running.store(active.len() as u64, Ordering::Relaxed);
         self.shared.metrics.queue_depth.store(q.waiting.len() as u64, Ordering::Relaxed);
     }
 
@@ -390,11 +403,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             let Some(f) = f else { continue };
             let s = &mut active[i];
             match results.next().expect("one result per chunk") {
-                Err(e) => {
-                    self.shared.metrics.failed.fetch_add(1, Ordering::Relaxed);
-                    let _ = s.job.events.send(Event::Failed(e.to_string()));
-                    finished.push((i, false));
-                }
+                Err(e) => finished.push((i, End::Failed(e.to_string()), Keep::Drop)),
                 Ok(mut logits) => match (*f, s.phase) {
                     (Feed::Prompt { from, to }, _) => {
                         s.held.extend(&s.job.prompt[from..to]);
@@ -406,18 +415,25 @@ impl<'a, B: Backend> Worker<'a, B> {
                             Phase::Decode(t) => s.held.push(t),
                         }
                         if let Some(end) = self.sample(s, &mut logits) {
-                            self.finish(s, end);
-                            finished.push((i, true));
+                            finished.push((i, end, Keep::Offer));
                         }
                     }
                 },
             }
         }
-        // Retire from the back so the indices stay valid; finished sequences offer
-        // their state for a later prompt that continues them.
-        for (i, keep) in finished.into_iter().rev() {
-            let s = active.remove(i);
-            if keep {
+        // Retire from the back so the indices stay valid, and count the batch before
+        // any client hears that its request ended: one that reads the metrics right
+        // after its answer must not find its own sequence still running.
+        let mut retired = Vec::with_capacity(finished.len());
+        for (i, end, keep) in finished.into_iter().rev() {
+            retired.push((active.remove(i), end, keep));
+        }
+        self.set_running(active.len());
+        // Sequences whose step succeeded offer their state for a later prompt that
+        // continues them.
+        for (mut s, end, keep) in retired.into_iter().rev() {
+            self.finish(&mut s, end);
+            if let Keep::Offer = keep {
                 let bytes = s.state.kv_bytes(&self.model.be);
                 prefixes.put(s.held, s.state, bytes);
             }
@@ -515,6 +531,8 @@ impl<'a, B: Backend> Worker<'a, B> {
                 let _ = s.job.events.send(Event::Token { text, logprob: None });
             }
         }
+        self.shared.metrics.completed.fetch_add(1, Ordering::Relaxed);
+        self.shared.metrics.prompt_tokens.fetch_add(s.job.prompt.len() as u64, Ordering::Relaxed);
         let first = s.first_token.unwrap_or(s.last_token);
         let _ = s.job.events.send(Event::Done(Finish {
             reason,
@@ -524,7 +542,5 @@ impl<'a, B: Backend> Worker<'a, B> {
             prefill_s: first.duration_since(s.started).as_secs_f64(),
             decode_s: s.last_token.duration_since(first).as_secs_f64(),
         }));
-        self.shared.metrics.completed.fetch_add(1, Ordering::Relaxed);
-        self.shared.metrics.prompt_tokens.fetch_add(s.job.prompt.len() as u64, Ordering::Relaxed);
     }
 }
