@@ -8,16 +8,7 @@ use std::process::Command;
 
 /// The model file, if fetched (`name` is its scripts/fetch_models.sh name).
 fn model(file: &str, name: &str) -> Option<PathBuf> {
-    let dir = std::env::var_os("SLUICE_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"));
-    let p = dir.join(file);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipping: {} is missing (run scripts/fetch_models.sh {name})", p.display());
-        None
-    }
+    sluice_core::testing::real_model(file, name)
 }
 
 /// Greedy output for `prompt`, in chat (the model's template) or as plain text.

@@ -801,19 +801,10 @@ fn metric(server: &Server, name: &str) -> f64 {
         .unwrap()
 }
 
-/// SmolLM2, the real model CI fetches (a test that needs it fails in CI without it,
-/// and is skipped, saying so, elsewhere).
+/// SmolLM2 (a test that needs it fails in CI without it, and is skipped, saying so,
+/// elsewhere).
 fn smollm2() -> Option<PathBuf> {
-    let dir = std::env::var_os("SLUICE_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"));
-    let model = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if model.exists() {
-        return Some(model);
-    }
-    assert!(std::env::var_os("CI").is_none(), "{} is missing in CI", model.display());
-    eprintln!("skipping: {} is missing (run scripts/fetch_models.sh smollm2)", model.display());
-    None
+    sluice_core::testing::real_model("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")
 }
 
 /// On SmolLM2, whose answers take long enough to hang up in the middle of one.
@@ -911,11 +902,7 @@ fn official_clients_talk_to_it() {
     let python = std::env::var_os("SLUICE_CLIENTS_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join(".cache/clients/bin/python"));
-    if !python.exists() {
-        assert!(std::env::var_os("CI").is_none(), "{} is missing in CI (scripts/client_venv.sh)", python.display());
-        eprintln!("skipping: {} is missing (run scripts/client_venv.sh)", python.display());
-        return;
-    }
+    let Some(python) = sluice_core::testing::require(python, "scripts/client_venv.sh") else { return };
     let server = Server::start(&model, &[]);
     let o = Command::new(python)
         .arg(root.join("scripts/check_clients.py"))
@@ -925,19 +912,14 @@ fn official_clients_talk_to_it() {
     assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
 }
 
-/// Qwen2.5-Coder-1.5B (scripts/fetch_models.sh qwen2.5-coder-1.5b; not fetched in CI,
-/// so skipped there, saying so) calls a `get_weather` tool: the call comes back in
+/// Qwen2.5-Coder-1.5B (scripts/fetch_models.sh qwen2.5-coder-1.5b, as CI does) calls a `get_weather` tool: the call comes back in
 /// `tool_calls`, whole and streamed.
 #[test]
 fn real_serve_qwen_calls_a_tool() {
-    let dir = std::env::var_os("SLUICE_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"));
-    let model = dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
-    if !model.exists() {
-        eprintln!("skipping: {} is missing (run scripts/fetch_models.sh qwen2.5-coder-1.5b)", model.display());
+    let Some(model) = sluice_core::testing::real_model("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen2.5-coder-1.5b")
+    else {
         return;
-    }
+    };
     let server = Server::start(&model, &[]);
     let tools = json!([{"type": "function", "function": {
         "name": "get_weather", "description": "Get the current weather in a city",

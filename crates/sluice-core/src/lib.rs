@@ -7,6 +7,7 @@ pub mod error;
 pub mod mat;
 pub mod quant;
 pub mod spec;
+pub mod testing;
 
 pub use dtype::DType;
 pub use error::{Error, Result};

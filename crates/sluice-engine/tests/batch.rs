@@ -228,22 +228,10 @@ fn quantized_synthetic_moe_at_mixed_precision() {
     }
 }
 
-fn models_dir() -> PathBuf {
-    match std::env::var_os("SLUICE_MODELS") {
-        Some(d) => PathBuf::from(d),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"),
-    }
-}
-
 /// SmolLM2 (which CI fetches): real quantized weights, rows of both precisions in a step.
 #[test]
 fn real_smollm2_at_mixed_precision() {
-    let path = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !path.exists() {
-        assert!(std::env::var_os("CI").is_none(), "{} is missing in CI", path.display());
-        eprintln!("skipped: {} not fetched (scripts/fetch_models.sh smollm2)", path.display());
-        return;
-    }
+    let Some(path) = sluice_core::testing::real_model("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2") else { return };
     let model = Model::open(&path).unwrap();
     let t: Vec<u32> = (0..16u32).map(|i| 1 + (i * 1009) % 40000).collect();
     check_model("smollm2", &model, &sequences(&t));

@@ -4,19 +4,13 @@
 //! agreement >= 90% over every position of a real sentence, in both logits modes
 //! (by default prefill is computed with 8-bit activations and decode with 16), and
 //! with accurate precision throughout, a KL at least four times smaller than fast's.
-//! A model that is not fetched is skipped with a message saying how to get it.
+//! A model that is not fetched fails in CI (which fetches them all) and is skipped
+//! elsewhere with a message saying how to get it.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use sluice_core::Precision;
 use sluice_engine::{Logits, Model};
-
-fn models_dir() -> PathBuf {
-    match std::env::var_os("SLUICE_MODELS") {
-        Some(d) => PathBuf::from(d),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"),
-    }
-}
 
 struct Reference {
     tokens: Vec<u32>,
@@ -78,11 +72,7 @@ fn compare(logits: &[f32], r: &Reference) -> (f64, f64) {
 }
 
 fn check(name: &str, file: &str) {
-    let path = models_dir().join(file);
-    if !path.exists() {
-        eprintln!("skipping {name}: {} is missing (run scripts/fetch_models.sh {name})", path.display());
-        return;
-    }
+    let Some(path) = sluice_core::testing::real_model(file, name) else { return };
     let r = reference(name);
     let mut model = Model::open(&path).unwrap();
     assert_eq!(model.spec.vocab_size, r.vocab);

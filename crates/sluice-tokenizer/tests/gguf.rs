@@ -1,29 +1,22 @@
 //! Tokenizers built from real GGUF files against the ones Hugging Face transformers builds
 //! from the same files: fixtures/tokenizer/<model>.json, written by
 //! scripts/make_tokenizer_reference.py. The models come from scripts/fetch_models.sh into
-//! $SLUICE_MODELS or <repo>/.cache/models; a missing one is reported and its test passes.
+//! $SLUICE_MODELS or <repo>/.cache/models; a missing one fails in CI and is skipped,
+//! saying so, elsewhere.
 
 mod common;
 
 use std::path::Path;
 use std::time::Instant;
 
-use common::{Form, check_parity, models_dir, repo_root};
+use common::{Form, check_parity, repo_root};
 use serde_json::Value;
 use sluice_formats::gguf::GgufFile;
 use sluice_tokenizer::{ChatMessage, Tokenizer};
 
 /// Opens a fetched model, or says how to fetch it and returns None.
 fn open_model(name: &str, file: &str) -> Option<(Tokenizer, Value)> {
-    let path = models_dir().join(file);
-    if !path.exists() {
-        eprintln!(
-            "skipping {name}: {} is missing; fetch it with `scripts/fetch_models.sh {name}` \
-             (or point SLUICE_MODELS at a folder that holds it)",
-            path.display()
-        );
-        return None;
-    }
+    let path = sluice_core::testing::real_model(file, name)?;
     let fixture_path = repo_root().join("fixtures/tokenizer").join(format!("{name}.json"));
     let fixture: Value = serde_json::from_str(&std::fs::read_to_string(&fixture_path).unwrap()).unwrap();
     assert_eq!(fixture["file"], file, "{} is for another file", fixture_path.display());

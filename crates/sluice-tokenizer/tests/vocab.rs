@@ -16,15 +16,7 @@ use sluice_tokenizer::Tokenizer;
 /// The fixture and both tokenizers (Hugging Face folder, GGUF), or None when not built.
 fn open_vocab(name: &str) -> Option<(Value, Tokenizer, Tokenizer)> {
     let dir = models_dir().join("vocab").join(name);
-    if !dir.join("vocab.gguf").exists() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{} is missing in CI (scripts/fetch_vocabs.sh builds it)",
-            dir.display()
-        );
-        eprintln!("skipping {name}: {} is missing; build it with scripts/fetch_vocabs.sh", dir.display());
-        return None;
-    }
+    sluice_core::testing::require(dir.join("vocab.gguf"), "scripts/fetch_vocabs.sh")?;
     let fixture_path = repo_root().join("fixtures/tokenizer").join(format!("{name}.json"));
     let fixture: Value = serde_json::from_str(&std::fs::read_to_string(&fixture_path).unwrap()).unwrap();
     let hf = Tokenizer::from_hf_dir(&dir).unwrap();

@@ -3,21 +3,11 @@
 
 #![allow(dead_code)] // each test file uses its own part
 
-use std::path::{Path, PathBuf};
-
 use serde_json::Value;
 use sluice_tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-pub fn models_dir() -> PathBuf {
-    match std::env::var_os("SLUICE_MODELS") {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-        _ => repo_root().join(".cache/models"),
-    }
-}
+#[allow(unused_imports)] // each test file uses its own part
+pub use sluice_core::testing::{models_dir, repo_root};
 
 pub fn ids(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
