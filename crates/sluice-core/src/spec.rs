@@ -7,6 +7,17 @@
 
 use crate::DType;
 
+/// The largest size or count a model's configuration may state (a dimension, a head
+/// or expert count, a vocabulary, a context length). Real ones stay far below it (the
+/// longest context, Llama 4 Scout's, is 10M positions); the readers refuse more, so
+/// that a hostile config.json or GGUF cannot make sluice allocate what a number says
+/// before any tensor has been checked against the file.
+pub const MAX_CONFIG_SIZE: usize = 1 << 26;
+
+/// The most layers a model may state (the deepest real MoE has 94): each layer is
+/// described before its tensors are looked for.
+pub const MAX_LAYERS: usize = 1 << 12;
+
 /// Which family file runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
@@ -106,7 +117,7 @@ impl RopeSpec {
             }
             _ => {
                 // Partial rotary (rotary_dim < head_dim) rotates the first rotary_dim dims.
-                let rot_half = rotary_dim / 2;
+                let rot_half = (rotary_dim / 2).min(half);
                 for (i, f) in inv_freq.iter_mut().enumerate().take(rot_half) {
                     *f = 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32);
                 }
@@ -479,6 +490,56 @@ impl ModelSpec {
     }
     pub fn is_moe(&self) -> bool {
         self.layers.iter().any(|l| l.moe.is_some())
+    }
+
+    /// What a config may not say however it is written: a zero size that something is
+    /// divided by or cut into (a head dimension, a head count, a vocabulary), more
+    /// experts chosen than there are, heads that do not share out. The readers call this
+    /// last, so the model code can divide and index by these without checking again.
+    pub fn check_sizes(&self) -> std::result::Result<(), String> {
+        let positive =
+            |what: &str, n: usize| if n == 0 { Err(format!("{what} is 0; it must be positive")) } else { Ok(()) };
+        positive("the vocabulary size", self.vocab_size)?;
+        positive("the hidden size", self.hidden_size)?;
+        positive("the number of layers", self.layers.len())?;
+        for (i, l) in self.layers.iter().enumerate() {
+            let a = &l.attention;
+            let at = |what: &str| format!("layer {i}'s {what}");
+            positive(&at("head count"), a.n_heads)?;
+            positive(&at("key/value head count"), a.n_kv_heads)?;
+            positive(&at("head dimension"), a.head_dim)?;
+            if !a.n_heads.is_multiple_of(a.n_kv_heads) {
+                return Err(format!(
+                    "layer {i} has {} query heads for {} key/value heads; they must divide",
+                    a.n_heads, a.n_kv_heads
+                ));
+            }
+            if let Some(w) = a.window {
+                positive(&at("sliding window"), w)?;
+            }
+            if let Some(m) = l.mlp {
+                positive(&at("feed-forward size"), m)?;
+            }
+            if let Some(moe) = &l.moe {
+                positive(&at("expert count"), moe.n_experts)?;
+                positive(&at("experts per token"), moe.top_k)?;
+                positive(&at("expert feed-forward size"), moe.intermediate)?;
+                if moe.top_k > moe.n_experts {
+                    return Err(format!(
+                        "layer {i} chooses {} experts per token of {}; it cannot choose more than there are",
+                        moe.top_k, moe.n_experts
+                    ));
+                }
+            }
+            if let Some(d) = &l.linear {
+                positive(&at("DeltaNet key heads"), d.k_heads)?;
+                positive(&at("DeltaNet value heads"), d.v_heads)?;
+                positive(&at("DeltaNet key dimension"), d.k_dim)?;
+                positive(&at("DeltaNet value dimension"), d.v_dim)?;
+                positive(&at("DeltaNet convolution kernel"), d.conv_kernel)?;
+            }
+        }
+        Ok(())
     }
 }
 

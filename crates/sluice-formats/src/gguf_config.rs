@@ -19,8 +19,9 @@
 use std::collections::HashMap;
 
 use sluice_core::{
-    Activation, AttentionSpec, DType, DeltaNetSpec, Error, Family, Glu, HeadOrder, LayerSpec, MlaSpec, ModelSpec,
-    MoeSpec, PleSpec, Result, RopeScaling, RopeSpec, RopeStyle, RouterKind, SharedExperts,
+    Activation, AttentionSpec, DType, DeltaNetSpec, Error, Family, Glu, HeadOrder, LayerSpec, MAX_CONFIG_SIZE,
+    MAX_LAYERS, MlaSpec, ModelSpec, MoeSpec, PleSpec, Result, RopeScaling, RopeSpec, RopeStyle, RouterKind,
+    SharedExperts,
 };
 
 use crate::gguf::{GgufFile, GgufValue};
@@ -50,12 +51,23 @@ impl<'a> Meta<'a> {
         let key = self.key(k);
         match self.g.get_u64(&key)? {
             None => Ok(None),
-            Some(v) => usize::try_from(v).map(Some).map_err(|_| self.err(format!("metadata key '{key}' is {v}"))),
+            Some(v) if v > MAX_CONFIG_SIZE as u64 => Err(self.err(format!(
+                "metadata key '{key}' is {v}, more than sluice accepts for a size or count ({MAX_CONFIG_SIZE})"
+            ))),
+            Some(v) => Ok(Some(v as usize)),
         }
     }
 
     fn usize(&self, k: &str) -> Result<usize> {
         self.usize_opt(k)?.ok_or_else(|| self.err(format!("metadata key '{}' is missing", self.key(k))))
+    }
+
+    /// A number that must be positive and finite (a clamp limit), or `default`.
+    fn positive_f32(&self, k: &str, default: f32) -> Result<f32> {
+        match self.f32_opt(k)?.unwrap_or(default) {
+            x if x > 0.0 && x.is_finite() => Ok(x),
+            x => Err(self.err(format!("metadata key '{}' is {x}; it must be a positive number", self.key(k)))),
+        }
     }
 
     fn f32_opt(&self, k: &str) -> Result<Option<f32>> {
@@ -279,6 +291,7 @@ pub fn read(g: &GgufFile) -> Result<ModelSpec> {
         }
     };
     spec.weight_dtype = dominant_matrix_type(g);
+    spec.check_sizes().map_err(|e| Error::config(g.path(), e))?;
     Ok(spec)
 }
 
@@ -312,6 +325,12 @@ struct Base {
 
 fn base(m: &Meta) -> Result<Base> {
     let n_layers = m.usize("block_count")?;
+    if n_layers > MAX_LAYERS {
+        return Err(m.err(format!(
+            "metadata key '{}' is {n_layers}, more layers than sluice accepts ({MAX_LAYERS})",
+            m.key("block_count")
+        )));
+    }
     let hidden = m.usize("embedding_length")?;
     let n_heads = m
         .per_layer("attention.head_count", n_layers)?
@@ -755,7 +774,7 @@ fn gpt_oss(m: &Meta) -> Result<ModelSpec> {
         router: RouterKind::TopKSoftmax,
         glu: Glu::ClampedSwiglu {
             alpha: m.f32_opt("expert_swiglu_alpha")?.unwrap_or(1.702),
-            limit: m.f32_opt("expert_swiglu_limit")?.unwrap_or(7.0),
+            limit: m.positive_f32("expert_swiglu_limit", 7.0)?,
         },
     };
     let moe = m.moe(experts, Some(0))?.expect("a MoE layer");

@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 use sluice_core::{
-    Activation, AttentionSpec, DeltaNetSpec, Error, Family, Glu, HeadOrder, HyperSpec, IndexerSpec, LayerSpec, MlaSpec,
-    ModelSpec, MoeSpec, NgramSpec, PleSpec, Result, RopeScaling, RopeSpec, RopeStyle, RouterKind, SharedExperts,
+    Activation, AttentionSpec, DeltaNetSpec, Error, Family, Glu, HeadOrder, HyperSpec, IndexerSpec, LayerSpec,
+    MAX_CONFIG_SIZE, MAX_LAYERS, MlaSpec, ModelSpec, MoeSpec, NgramSpec, PleSpec, Result, RopeScaling, RopeSpec,
+    RopeStyle, RouterKind, SharedExperts,
 };
 
 pub const SUPPORTED: &str = "deepseek_v3, gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen2, qwen3, \
@@ -29,20 +30,58 @@ impl<'a> Cfg<'a> {
     fn get(&self, key: &str) -> Option<&'a Value> {
         self.obj.get(key).filter(|v| !v.is_null())
     }
+    /// A size or count, at most [`MAX_CONFIG_SIZE`].
     fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
+        match self.u64_opt(key)? {
+            Some(x) if x > MAX_CONFIG_SIZE as u64 => {
+                Err(self
+                    .err(format!("'{key}' is {x}, more than sluice accepts for a size or count ({MAX_CONFIG_SIZE})")))
+            }
+            x => Ok(x.map(|x| x as usize)),
+        }
+    }
+    /// A number of layers, at most [`MAX_LAYERS`].
+    fn layers_opt(&self, key: &str) -> Result<Option<usize>> {
+        match self.usize_opt(key)? {
+            Some(n) if n > MAX_LAYERS => {
+                Err(self.err(format!("'{key}' is {n}, more layers than sluice accepts ({MAX_LAYERS})")))
+            }
+            n => Ok(n),
+        }
+    }
+    /// Any non-negative integer (a seed, a hash modulus).
+    fn u64_opt(&self, key: &str) -> Result<Option<u64>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
                 .as_u64()
-                .map(|x| Some(x as usize))
+                .map(Some)
                 .ok_or_else(|| self.err(format!("'{key}' must be a non-negative integer, found {v}"))),
         }
     }
-    fn u64_opt(&self, key: &str) -> Result<Option<u64>> {
-        Ok(self.usize_opt(key)?.map(|v| v as u64))
-    }
     fn usize(&self, key: &str) -> Result<usize> {
         self.usize_opt(key)?.ok_or_else(|| self.err(format!("'{key}' is missing")))
+    }
+    /// A window or similar length that must not be zero (a window of 0 sees nothing).
+    fn positive_opt(&self, key: &str) -> Result<Option<usize>> {
+        match self.usize_opt(key)? {
+            Some(0) => Err(self.err(format!("'{key}' is 0; it must be positive"))),
+            n => Ok(n),
+        }
+    }
+    /// A number that must be positive and finite (a clamp limit), or `default`.
+    fn positive_f32(&self, key: &str, default: f32) -> Result<f32> {
+        match self.f32_opt(key)?.unwrap_or(default) {
+            x if x > 0.0 && x.is_finite() => Ok(x),
+            x => Err(self.err(format!("'{key}' is {x}; it must be a positive number"))),
+        }
+    }
+    /// A share of something (`partial_rotary_factor`): in (0, 1].
+    fn fraction_opt(&self, key: &str) -> Result<Option<f32>> {
+        match self.f32_opt(key)? {
+            Some(x) if !(x > 0.0 && x <= 1.0) => Err(self.err(format!("'{key}' is {x}; it must be in (0, 1]"))),
+            x => Ok(x),
+        }
     }
     fn f32_opt(&self, key: &str) -> Result<Option<f32>> {
         match self.get(key) {
@@ -127,6 +166,7 @@ pub fn read(dir: &Path) -> Result<HfConfig> {
             });
         }
     };
+    spec.check_sizes().map_err(|e| Error::config(&path, e))?;
     Ok(HfConfig { spec, wrapped })
 }
 
@@ -181,7 +221,7 @@ fn rope_params(cfg: &Cfg, params: Option<&Cfg>, default_theta: f32) -> Result<(f
             truncate: s.bool_opt("truncate")?.unwrap_or(true),
         },
         "proportional" => RopeScaling::Proportional {
-            partial: s.f32_opt("partial_rotary_factor")?.unwrap_or(1.0),
+            partial: s.fraction_opt("partial_rotary_factor")?.unwrap_or(1.0),
             factor: s.f32_opt("factor")?.unwrap_or(1.0),
         },
         other => return Err(s.err(format!("RoPE type '{other}' is not supported"))),
@@ -199,7 +239,8 @@ fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
     if cfg.bool_opt("use_sliding_window")?.unwrap_or(false) {
         return Err(cfg.err("use_sliding_window = true is not supported for this family yet".into()));
     }
-    let n_layers = cfg.usize("num_hidden_layers")?;
+    let n_layers =
+        cfg.layers_opt("num_hidden_layers")?.ok_or_else(|| cfg.err("'num_hidden_layers' is missing".into()))?;
     let vocab = cfg.usize("vocab_size")?;
     let intermediate = cfg.usize("intermediate_size")?;
     if n_heads == 0 || n_kv == 0 || n_heads % n_kv != 0 {
@@ -209,7 +250,7 @@ fn llama_like(cfg: &Cfg, model_type: &str) -> Result<ModelSpec> {
     }
     let rope_cfg = cfg.sub("rope_parameters")?;
     let (theta, scaling) = rope_params(cfg, rope_cfg.as_ref(), 10000.0)?;
-    let partial = cfg.f32_opt("partial_rotary_factor")?.unwrap_or(1.0);
+    let partial = cfg.fraction_opt("partial_rotary_factor")?.unwrap_or(1.0);
     let rotary_dim = ((head_dim as f32 * partial) as usize).max(2);
     let rope = RopeSpec::new(RopeStyle::Half, theta, head_dim, rotary_dim, &scaling);
     let qwen3 = model_type.starts_with("qwen3");
@@ -316,7 +357,7 @@ fn sliding_layers(cfg: &Cfg, n_layers: usize, default: impl Fn(usize) -> bool) -
 /// (even indices) and full attention; YaRN RoPE.
 fn gpt_oss(cfg: &Cfg) -> Result<ModelSpec> {
     let hidden = cfg.usize_opt("hidden_size")?.unwrap_or(2880);
-    let n_layers = cfg.usize_opt("num_hidden_layers")?.unwrap_or(36);
+    let n_layers = cfg.layers_opt("num_hidden_layers")?.unwrap_or(36);
     let n_heads = cfg.usize_opt("num_attention_heads")?.unwrap_or(64);
     let n_kv = cfg.usize_opt("num_key_value_heads")?.unwrap_or(n_heads);
     let head_dim = cfg.usize_opt("head_dim")?.unwrap_or(64);
@@ -336,7 +377,7 @@ fn gpt_oss(cfg: &Cfg) -> Result<ModelSpec> {
         );
     }
     let sliding = sliding_layers(cfg, n_layers, |i| i % 2 == 0)?;
-    let window = cfg.usize_opt("sliding_window")?.unwrap_or(128);
+    let window = cfg.positive_opt("sliding_window")?.unwrap_or(128);
     let rope_cfg = cfg.sub("rope_parameters")?;
     let (theta, scaling) = match (&rope_cfg, cfg.sub("rope_scaling")?) {
         (None, None) => (
@@ -361,7 +402,7 @@ fn gpt_oss(cfg: &Cfg) -> Result<ModelSpec> {
         router: RouterKind::TopKSoftmax,
         glu: Glu::ClampedSwiglu {
             alpha: cfg.f32_opt("swiglu_alpha")?.unwrap_or(1.702),
-            limit: cfg.f32_opt("swiglu_limit")?.unwrap_or(7.0),
+            limit: cfg.positive_f32("swiglu_limit", 7.0)?,
         },
         expert_bias: true,
         shared: None,
@@ -426,7 +467,8 @@ fn yarn_mscale(scale: f32, m: f32) -> f32 {
 /// width, not an attention head's.
 fn deepseek_v3(cfg: &Cfg) -> Result<ModelSpec> {
     let hidden = cfg.usize("hidden_size")?;
-    let n_layers = cfg.usize("num_hidden_layers")?;
+    let n_layers =
+        cfg.layers_opt("num_hidden_layers")?.ok_or_else(|| cfg.err("'num_hidden_layers' is missing".into()))?;
     let n_heads = cfg.usize_opt("num_attention_heads")?.unwrap_or(128);
     let positive = |key: &str, default: usize| -> Result<usize> {
         let v = cfg.usize_opt(key)?.unwrap_or(default);
@@ -579,7 +621,8 @@ enum Hybrid {
 
 fn qwen35_moe(cfg: &Cfg, top: &Cfg, hybrid: Hybrid) -> Result<ModelSpec> {
     let hidden = cfg.usize("hidden_size")?;
-    let n_layers = cfg.usize("num_hidden_layers")?;
+    let n_layers =
+        cfg.layers_opt("num_hidden_layers")?.ok_or_else(|| cfg.err("'num_hidden_layers' is missing".into()))?;
     let n_heads = cfg.usize_opt("num_attention_heads")?.unwrap_or(16);
     let n_kv = cfg.usize_opt("num_key_value_heads")?.unwrap_or(2);
     let head_dim = cfg.usize_opt("head_dim")?.unwrap_or(256);
@@ -627,9 +670,9 @@ fn qwen35_moe(cfg: &Cfg, top: &Cfg, hybrid: Hybrid) -> Result<ModelSpec> {
     if scaling != RopeScaling::None {
         return Err(cfg.err("RoPE scaling is not supported for Qwen3.5 (only the default RoPE)".into()));
     }
-    let partial = match rope_cfg.as_ref().map(|r| r.f32_opt("partial_rotary_factor")).transpose()?.flatten() {
+    let partial = match rope_cfg.as_ref().map(|r| r.fraction_opt("partial_rotary_factor")).transpose()?.flatten() {
         Some(p) => p,
-        None => cfg.f32_opt("partial_rotary_factor")?.unwrap_or(match hybrid {
+        None => cfg.fraction_opt("partial_rotary_factor")?.unwrap_or(match hybrid {
             Hybrid::Qwen35 => 0.25,
             Hybrid::Qwen4Exp => 1.0,
         }),
@@ -827,13 +870,13 @@ fn qwen4_exp(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
 
 fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
     let hidden = cfg.usize_opt("hidden_size")?.unwrap_or(2304);
-    let n_layers = cfg.usize_opt("num_hidden_layers")?.unwrap_or(30);
+    let n_layers = cfg.layers_opt("num_hidden_layers")?.unwrap_or(30);
     let n_heads = cfg.usize_opt("num_attention_heads")?.unwrap_or(8);
     let n_kv = cfg.usize_opt("num_key_value_heads")?.unwrap_or(4);
     let head_dim = cfg.usize_opt("head_dim")?.unwrap_or(256);
     let vocab = cfg.usize_opt("vocab_size")?.unwrap_or(262_144);
     let intermediate = cfg.usize_opt("intermediate_size")?.unwrap_or(9216);
-    let window = cfg.usize_opt("sliding_window")?.unwrap_or(512);
+    let window = cfg.positive_opt("sliding_window")?.unwrap_or(512);
     let k_eq_v = cfg.bool_opt("attention_k_eq_v")?.unwrap_or(false);
     if cfg.str_opt("use_bidirectional_attention")? == Some("all") {
         return Err(cfg.err("use_bidirectional_attention = \"all\" is not supported for text generation".into()));
@@ -1024,11 +1067,11 @@ fn gemma4(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
 
 fn gemma3(cfg: &Cfg, top: &Cfg) -> Result<ModelSpec> {
     let hidden = cfg.usize_opt("hidden_size")?.unwrap_or(2304);
-    let n_layers = cfg.usize_opt("num_hidden_layers")?.unwrap_or(26);
+    let n_layers = cfg.layers_opt("num_hidden_layers")?.unwrap_or(26);
     let n_heads = cfg.usize_opt("num_attention_heads")?.unwrap_or(8);
     let n_kv = cfg.usize_opt("num_key_value_heads")?.unwrap_or(4);
     let head_dim = cfg.usize_opt("head_dim")?.unwrap_or(256);
-    let window = cfg.usize_opt("sliding_window")?.unwrap_or(4096);
+    let window = cfg.positive_opt("sliding_window")?.unwrap_or(4096);
     if n_kv == 0 || n_heads % n_kv != 0 {
         return Err(
             cfg.err(format!("num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv})"))

@@ -96,6 +96,28 @@ struct Extras {
     template: Option<TemplateSource>,
 }
 
+/// `tokenizer.json` through the `tokenizers` crate. Its deserializers panic on some
+/// malformed files (`expect("Helper")` on a decoder whose JSON does not parse: a control
+/// character, an invalid \u escape; found by fuzzing), so the text is parsed as JSON
+/// first, for an error with its line and column, and a panic that still comes out of
+/// the crate is turned into an error.
+fn parse_tokenizer_json(path: &Path, bytes: &[u8]) -> Result<tokenizers::Tokenizer> {
+    serde_json::from_slice::<serde_json::Value>(bytes)
+        .map_err(|e| Error::tokenizer(path, format!("not valid JSON: {e}")))?;
+    match std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(bytes)) {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => Err(Error::tokenizer(path, format!("cannot parse: {e}"))),
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("no message");
+            Err(Error::tokenizer(path, format!("cannot parse (the tokenizers crate failed: {why})")))
+        }
+    }
+}
+
 impl Tokenizer {
     /// Loads `tokenizer.json`, `tokenizer_config.json` (optional), `chat_template.jinja`
     /// (optional), `generation_config.json` (optional) from a Hugging Face model folder.
@@ -107,8 +129,7 @@ impl Tokenizer {
             }
             _ => Error::io(&tokenizer_path, e),
         })?;
-        let mut inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| Error::tokenizer(&tokenizer_path, format!("cannot parse: {e}")))?;
+        let mut inner = parse_tokenizer_json(&tokenizer_path, &bytes)?;
         // Some tokenizer.json files carry the truncation and padding of a training run.
         // transformers turns both off unless a call asks for them, and so do we.
         inner.with_truncation(None).map_err(|e| Error::tokenizer(&tokenizer_path, e.to_string()))?;

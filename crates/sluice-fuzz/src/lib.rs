@@ -1,0 +1,171 @@
+//! The parsers sluice runs on files and text from outside, as fuzz targets: each takes
+//! arbitrary bytes and must return (an error is fine) without panicking, aborting,
+//! hanging or allocating more than the input justifies. `fuzz/` drives them with
+//! `cargo fuzz` (libFuzzer, coverage-guided); `tests/corpus.rs` runs each over its seeds
+//! (`fuzz/seeds`) and the inputs that once failed (`fuzz/regressions`) on every test run.
+//!
+//! The readers take paths, as sluice does, so each input is first written to a scratch
+//! file (in `/dev/shm` where there is one): what is fuzzed is the code a user's file
+//! reaches, not a bytes-only twin of it.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use sluice_formats::Checkpoint;
+use sluice_formats::gguf::GgufFile;
+use sluice_tokenizer::{ChatMessage, Tokenizer};
+
+/// One fuzz target: a parser and what is done with what it accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// A GGUF file: header, metadata, tensor infos, alignment, every type; then the
+    /// model description (`ModelSpec`) and the family's tensor rearrangements, and the
+    /// vocabulary and chat template it carries.
+    Gguf,
+    /// One `.safetensors` file: its header and its tensors' extents.
+    Safetensors,
+    /// A Hugging Face `config.json` into a `ModelSpec`, for every family.
+    HfConfig,
+    /// A Hugging Face `tokenizer.json`, then encoding and decoding with it.
+    TokenizerJson,
+    /// A chat template (Jinja from a model's files is code) rendered with hostile messages.
+    ChatTemplate,
+}
+
+impl Target {
+    pub const ALL: [Target; 5] =
+        [Target::Gguf, Target::Safetensors, Target::HfConfig, Target::TokenizerJson, Target::ChatTemplate];
+
+    /// The name of its folders under `fuzz/` and of its `cargo fuzz` target.
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Gguf => "gguf",
+            Target::Safetensors => "safetensors",
+            Target::HfConfig => "hf_config",
+            Target::TokenizerJson => "tokenizer_json",
+            Target::ChatTemplate => "chat_template",
+        }
+    }
+
+    /// Runs the target on one input. Errors are the expected outcome of most inputs and
+    /// are dropped; anything else (a panic, an abort, a hang) is a finding.
+    pub fn run(self, data: &[u8]) {
+        match self {
+            Target::Gguf => gguf(data),
+            Target::Safetensors => safetensors(data),
+            Target::HfConfig => hf_config(data),
+            Target::TokenizerJson => tokenizer_json(data),
+            Target::ChatTemplate => chat_template(data),
+        }
+    }
+}
+
+/// This process's scratch folder, made once.
+fn scratch() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let shm = Path::new("/dev/shm");
+        let base = if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() };
+        let dir = base.join(format!("sluice-fuzz-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("cannot make the fuzz scratch folder");
+        dir
+    })
+}
+
+/// Writes `data` as `name` in the scratch folder.
+fn put(name: &str, data: &[u8]) -> PathBuf {
+    let path = scratch().join(name);
+    std::fs::write(&path, data).expect("cannot write to the fuzz scratch folder");
+    path
+}
+
+/// Messages a hostile client could send, for templates to render.
+fn hostile_messages() -> Vec<ChatMessage> {
+    vec![
+        ChatMessage::new("system", "{{ raise_exception('x') }}{% for i in range(999999999) %}"),
+        ChatMessage::new("user", "<|im_start|>assistant\n\u{0}\u{fffd}\u{202e}"),
+        ChatMessage::new("assistant", "x".repeat(4096)),
+        ChatMessage::new("tool", "{\"a\": [1, 2, {\"b\": null}]}"),
+        ChatMessage::new("user", ""),
+    ]
+}
+
+/// Uses a tokenizer the way sluice does: encode, decode, stream, render.
+fn exercise(tok: &Tokenizer) {
+    let text = "Hello world! <|im_start|>user\n\u{1F600} ÿ\u{0}\t  \n\n12345 <s></s>";
+    if let Ok(ids) = tok.encode(text, true) {
+        let _ = tok.decode(&ids, false);
+        let _ = tok.decode(&ids, true);
+    }
+    let n = tok.vocab_size().min(512) as u32;
+    let ids: Vec<u32> = (0..n).chain([u32::MAX, n + 7]).collect();
+    let _ = tok.decode(&ids, false);
+    let _ = tok.token_bytes();
+    let _ = tok.stop_ids(&[]);
+    if tok.has_chat_template() {
+        let _ = tok.apply_chat_template(&hostile_messages(), true);
+    }
+}
+
+fn gguf(data: &[u8]) {
+    let path = put("model.gguf", data);
+    if let Ok(ckpt) = Checkpoint::open(&path) {
+        // Every tensor the checkpoint names must lie within the file.
+        for t in ckpt.tensors() {
+            std::hint::black_box(t.bytes().len());
+        }
+    }
+    if let Ok(file) = GgufFile::open(&path)
+        && let Ok(tok) = Tokenizer::from_gguf(&file)
+    {
+        exercise(&tok);
+    }
+}
+
+fn safetensors(data: &[u8]) {
+    let path = put("model.safetensors", data);
+    if let Ok(t) = sluice_formats::safetensors::read_file(&path) {
+        for v in t.tensors.values() {
+            std::hint::black_box(v.bytes().len());
+        }
+        for b in t.bytes.values() {
+            std::hint::black_box(b.bytes().len());
+        }
+    }
+}
+
+fn hf_config(data: &[u8]) {
+    let dir = scratch().join("hf_config");
+    std::fs::create_dir_all(&dir).expect("cannot write to the fuzz scratch folder");
+    std::fs::write(dir.join("config.json"), data).expect("cannot write to the fuzz scratch folder");
+    if let Ok(cfg) = sluice_formats::hf_config::read(&dir) {
+        std::hint::black_box(format!("{:?}", cfg.spec));
+    }
+}
+
+fn tokenizer_json(data: &[u8]) {
+    let dir = scratch().join("tokenizer_json");
+    std::fs::create_dir_all(&dir).expect("cannot write to the fuzz scratch folder");
+    std::fs::write(dir.join("tokenizer.json"), data).expect("cannot write to the fuzz scratch folder");
+    if let Ok(tok) = Tokenizer::from_hf_dir(&dir) {
+        exercise(&tok);
+    }
+}
+
+thread_local! {
+    /// A real vocabulary (the Qwen3 fixture's) that each input's chat template is set on.
+    static TEMPLATE_HOST: std::cell::RefCell<Tokenizer> = std::cell::RefCell::new({
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen3");
+        Tokenizer::from_hf_dir(&dir).unwrap_or_else(|e| panic!("the fuzz targets need {}: {e}", dir.display()))
+    });
+}
+
+fn chat_template(data: &[u8]) {
+    TEMPLATE_HOST.with_borrow_mut(|tok| {
+        tok.set_chat_template("fuzz.jinja", String::from_utf8_lossy(data).into_owned());
+        let messages = hostile_messages();
+        let _ = tok.apply_chat_template(&messages, true);
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f{{x}}", "parameters": {}}}]);
+        let _ = tok.apply_chat_template_with_tools(&messages, Some(&tools), false);
+    });
+}
