@@ -311,3 +311,65 @@ fn synth_help_lists_every_geometry() {
         assert!(help.contains(g.name), "`sluice synth --help` does not name {}:\n{help}", g.name);
     }
 }
+
+/// What `sluice synth` and `sluice pack` write is read by another reader, gguf-py (the
+/// copy in llama.cpp's converter, which scripts/fetch_vocabs.sh fetches), with the same
+/// metadata keys and the same tensors (name, type, shape, offset) as sluice's reader.
+#[test]
+fn gguf_py_reads_what_sluice_writes() {
+    let root = sluice_core::testing::repo_root();
+    let Some(python) =
+        sluice_core::testing::require(root.join(".cache/vocab-venv/bin/python"), "scripts/fetch_vocabs.sh")
+    else {
+        return;
+    };
+    let Some(gguf_py) =
+        sluice_core::testing::require(root.join(".cache/llama.cpp-convert/gguf-py"), "scripts/fetch_vocabs.sh")
+    else {
+        return;
+    };
+    let dir = scratch("gguf-py");
+    let mut files = Vec::new();
+    for (geometry, quant) in
+        [("tiny-moe", "q4_k"), ("tiny-gpt-oss", "q8_0"), ("tiny-deepseek", "q6_k"), ("tiny-qwen3.5", "q5_0")]
+    {
+        let out = dir.join(format!("{geometry}.gguf"));
+        ok(&["synth", "--geometry", geometry, "--quant", quant, "--layers", "2", "--out", s(&out)]);
+        files.push(out);
+    }
+    let packed = dir.join("packed");
+    ok(&["synth", "--geometry", "tiny-gemma4", "--packed", s(&packed)]);
+    files.push(packed.join("model.gguf"));
+
+    const READ: &str = r#"
+import json, sys
+from gguf import GGUFReader
+r = GGUFReader(sys.argv[1])
+keys = sorted(k for k in r.fields if not k.startswith("GGUF."))
+tensors = [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)] for t in r.tensors]
+print(json.dumps({"keys": keys, "tensors": tensors}))
+"#;
+    for file in &files {
+        let o = Command::new(&python)
+            .env("PYTHONPATH", &gguf_py)
+            .args(["-c", READ, s(file)])
+            .output()
+            .expect("python runs");
+        assert!(o.status.success(), "gguf-py cannot read {}: {}", file.display(), String::from_utf8_lossy(&o.stderr));
+        let theirs: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let g = sluice_formats::GgufFile::open(file).unwrap();
+        let mut keys: Vec<&str> = g.keys().collect();
+        keys.sort_unstable();
+        let ours_tensors: Vec<serde_json::Value> = g
+            .tensors()
+            .iter()
+            .map(|t| {
+                // gguf-py gives shapes innermost first, as the file stores them.
+                let shape: Vec<usize> = t.shape.iter().rev().copied().collect();
+                serde_json::json!([t.name, sluice_formats::gguf::ggml_type_id(t.dtype), shape, t.offset()])
+            })
+            .collect();
+        assert_eq!(theirs["keys"], serde_json::json!(keys), "{}: metadata keys differ", file.display());
+        assert_eq!(theirs["tensors"], serde_json::json!(ours_tensors), "{}: tensors differ", file.display());
+    }
+}

@@ -356,8 +356,10 @@ fn put_value(out: &mut Vec<u8>, v: &GgufValue) {
         GgufValue::Bool(x) => out.push(*x as u8),
         GgufValue::String(s) => put_str(out, s),
         GgufValue::Array(items) => {
-            // An empty array's element type is not recoverable; U8 is as good as any.
-            let elem = items.first().map_or(vtype::U8, |e| e.type_id());
+            // An empty array's element type is not recoverable. Strings: the one empty
+            // array sluice writes is `tokenizer.ggml.merges` (synth's vocabulary has
+            // none), and llama.cpp refuses merges of any other type even when empty.
+            let elem = items.first().map_or(vtype::STRING, |e| e.type_id());
             out.extend_from_slice(&elem.to_le_bytes());
             out.extend_from_slice(&(items.len() as u64).to_le_bytes());
             items.iter().for_each(|e| put_value(out, e));

@@ -97,6 +97,14 @@ pub fn read_folder(dir: &Path) -> Result<Tensors> {
         let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
         names.sort_unstable();
         names.dedup();
+        // A shard is a file of this folder: an absolute name or one with a separator or
+        // `..` would make the index open any file on the machine.
+        if let Some(bad) = names.iter().find(|n| {
+            let mut parts = Path::new(n).components();
+            !matches!((parts.next(), parts.next()), (Some(std::path::Component::Normal(_)), None))
+        }) {
+            return Err(Error::format(&index, format!("shard name {bad:?} is not a file name in this folder")));
+        }
         names.into_iter().map(|n| dir.join(n)).collect()
     } else {
         let single = dir.join("model.safetensors");

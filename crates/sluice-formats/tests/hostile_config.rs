@@ -1,4 +1,4 @@
-//! Hostile numbers in a Hugging Face config.json: each gives one configuration error that
+//! Hostile Hugging Face folders. Numbers in config.json: each gives one configuration error that
 //! names the file and the key or size at fault, never a panic, an abort or an
 //! allocation the number asks for. Before these checks, `num_hidden_layers` = 2^31 made
 //! `sluice inspect` try to allocate 910 GB (the layer descriptions) and abort, and
@@ -54,5 +54,22 @@ fn hostile_numbers_are_config_errors() {
         assert!(matches!(err, Error::Config { .. }), "{fixture} {key}: not a config error: {msg}");
         assert!(msg.contains("config.json"), "{fixture} {key}: the error does not name the file: {msg}");
         assert!(msg.contains(want), "{fixture} {key} = {value}: expected {want:?} in: {msg}");
+    }
+}
+
+/// A shard index that names a file outside its folder is refused before anything is opened.
+#[test]
+fn an_index_names_only_files_of_its_folder() {
+    for name in ["/etc/passwd", "../model.safetensors", "sub/model.safetensors", ""] {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hostile-index");
+        std::fs::create_dir_all(&dir).unwrap();
+        let index = json!({"weight_map": {"model.embed_tokens.weight": name}});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        let err = sluice_formats::safetensors::read_folder(&dir).err().expect("accepted");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("model.safetensors.index.json") && msg.contains("is not a file name in this folder"),
+            "{msg}"
+        );
     }
 }
