@@ -96,14 +96,44 @@ struct Extras {
     template: Option<TemplateSource>,
 }
 
+/// A `TemplateProcessing` post-processor (alone or in a `Sequence`) must define every
+/// special token its templates name: the crate reads one it lacks with an `expect` when
+/// it encodes (found by fuzzing), long after loading.
+fn check_templates(p: &serde_json::Value) -> std::result::Result<(), String> {
+    match p.get("type").and_then(|t| t.as_str()) {
+        Some("Sequence") => {
+            p.get("processors").and_then(|v| v.as_array()).into_iter().flatten().try_for_each(check_templates)
+        }
+        Some("TemplateProcessing") => {
+            let defined = p.get("special_tokens").and_then(|v| v.as_object());
+            let pieces = ["single", "pair"].into_iter().filter_map(|k| p.get(k)?.as_array()).flatten();
+            for piece in pieces {
+                let Some(id) = piece.get("SpecialToken").and_then(|s| s.get("id")).and_then(|i| i.as_str()) else {
+                    continue;
+                };
+                if !defined.is_some_and(|d| d.contains_key(id)) {
+                    return Err(format!(
+                        "the post-processor's template uses the special token {id:?}, which its special_tokens do not define"
+                    ));
+                }
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
 /// `tokenizer.json` through the `tokenizers` crate. Its deserializers panic on some
 /// malformed files (`expect("Helper")` on a decoder whose JSON does not parse: a control
 /// character, an invalid \u escape; found by fuzzing), so the text is parsed as JSON
 /// first, for an error with its line and column, and a panic that still comes out of
 /// the crate is turned into an error.
 fn parse_tokenizer_json(path: &Path, bytes: &[u8]) -> Result<tokenizers::Tokenizer> {
-    serde_json::from_slice::<serde_json::Value>(bytes)
+    let json = serde_json::from_slice::<serde_json::Value>(bytes)
         .map_err(|e| Error::tokenizer(path, format!("not valid JSON: {e}")))?;
+    if let Some(p) = json.get("post_processor") {
+        check_templates(p).map_err(|e| Error::tokenizer(path, e))?;
+    }
     match std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(bytes)) {
         Ok(Ok(t)) => Ok(t),
         Ok(Err(e)) => Err(Error::tokenizer(path, format!("cannot parse: {e}"))),

@@ -702,3 +702,23 @@ fn fixture_checkpoints_match_transformers() {
         assert!(matches!(&err, Error::Template(m) if m.contains(want)), "{name}: {err}");
     }
 }
+
+/// The tokenizer.json files that once made the `tokenizers` crate panic (found by fuzzing,
+/// fuzz/regressions/tokenizer_json: a decoder whose JSON does not parse, an invalid \u
+/// escape, a template naming a special token it does not define) are refused at load,
+/// with an error that names the file.
+#[test]
+fn fuzzed_tokenizer_json_is_refused_at_load() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/regressions/tokenizer_json");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    assert!(files.len() >= 3, "{}: expected the regression inputs", root.display());
+    for file in files {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fuzzed-tokenizer");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(&file, dir.join("tokenizer.json")).unwrap();
+        let err = Tokenizer::from_hf_dir(&dir).err().unwrap_or_else(|| panic!("{} was accepted", file.display()));
+        assert!(err.to_string().contains("tokenizer.json"), "{}: {err}", file.display());
+        eprintln!("{}: {err}", file.display());
+    }
+}
