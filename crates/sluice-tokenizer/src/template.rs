@@ -61,7 +61,36 @@ impl ChatTemplate {
         ctx.push(("tools".into(), tools.map_or(Value::from(()), Value::from_serialize)));
         ctx.push(("documents".into(), Value::from(())));
         let ctx: Value = ctx.into_iter().collect();
-        template.render(ctx).map_err(|e| Error::Template(describe(&self.name, &e)))
+        let mut out = Bounded(Vec::new());
+        template.render_captured_to(ctx, &mut out).map_err(|e| Error::Template(describe(&self.name, &e)))?;
+        String::from_utf8(out.0)
+            .map_err(|_| Error::Template(format!("{}: the rendered prompt is not UTF-8", self.name)))
+    }
+}
+
+/// A template from a model's files is code, run on every request: it gets this many
+/// steps of minijinja's machine (2000 messages with a tool through each fixture's
+/// template take under a million; this many run in about a second) ...
+const TEMPLATE_FUEL: u64 = 20_000_000;
+/// ... and may write this much (a prompt longer than any context already).
+const MAX_PROMPT_BYTES: usize = 64 << 20;
+
+/// The rendered prompt, refusing to grow past [`MAX_PROMPT_BYTES`].
+struct Bounded(Vec<u8>);
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_PROMPT_BYTES {
+            return Err(std::io::Error::other(format!(
+                "the template wrote more than {} MiB, the most a prompt may be",
+                MAX_PROMPT_BYTES >> 20
+            )));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -85,6 +114,8 @@ fn environment() -> Environment<'static> {
         ValueKind::None => out.write_str("None").map_err(Into::into),
         _ => minijinja::escape_formatter(out, state, value),
     });
+    // Bounded time: a template that loops past its fuel stops with an error.
+    env.set_fuel(Some(TEMPLATE_FUEL));
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_filter("tojson", tojson);

@@ -722,3 +722,39 @@ fn fuzzed_tokenizer_json_is_refused_at_load() {
         eprintln!("{}: {err}", file.display());
     }
 }
+
+/// A chat template is code from a model's files, rendered on every request: it runs on a
+/// budget of steps and of output. A loop that does not end and a template that writes
+/// gigabytes each stop with an error naming the template, in seconds; the real templates
+/// of the fixtures render a 2000-message conversation with tools well within the budget.
+#[test]
+fn templates_render_on_a_bounded_budget() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny");
+    let mut tok = Tokenizer::from_hf_dir(&fixtures.join("qwen3")).unwrap();
+    let hi = [ChatMessage::new("user", "hi")];
+
+    let forever = "{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}{% endfor %}{% endfor %}";
+    tok.set_chat_template("forever.jinja", forever.into());
+    let t = std::time::Instant::now();
+    let err = tok.apply_chat_template(&hi, true).unwrap_err().to_string();
+    assert!(err.contains("forever.jinja") && err.contains("fuel"), "{err}");
+    assert!(t.elapsed().as_secs() < 20, "the loop ran {:?}", t.elapsed());
+
+    let huge = "{% for i in range(1000) %}{{ 'x' * 99999999 }}{% endfor %}";
+    tok.set_chat_template("huge.jinja", huge.into());
+    let err = tok.apply_chat_template(&hi, true).unwrap_err().to_string();
+    assert!(err.contains("huge.jinja") && err.contains("MiB"), "{err}");
+
+    let tools = json!([{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let long: Vec<ChatMessage> = (0..2000)
+        .map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, format!("message {i}")))
+        .collect();
+    for name in ["qwen3", "gpt-oss", "deepseek-v3", "gemma4-moe", "llama"] {
+        let tok = Tokenizer::from_hf_dir(&fixtures.join(name)).unwrap();
+        let prompt =
+            tok.apply_chat_template_with_tools(&long, Some(&tools), true).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(prompt.contains("message 1999"), "{name}");
+    }
+}
