@@ -11,6 +11,10 @@ The seeds in git were made with the fixtures and sluice synth's tiny geometries:
         sluice synth --geometry tiny-moe --quant $q --layers 1 --out /tmp/seeds/moe-$q.gguf; done
     python scripts/make_fuzz_seeds.py fixtures/tiny/*/*.gguf /tmp/seeds/*.gguf
 
+pack_manifest's seeds are the manifests `sluice synth --geometry G --layers N --packed DIR`
+writes (tiny-moe 2, the folder the target checks them against; tiny-gpt-oss 1,
+tiny-deepseek 2, tiny-qwen3.5 2, tiny-gemma4 1), copied from DIR/sluice-pack.json.
+
 Needs the `gguf` package (pip install gguf numpy). The fuzzers start from these and
 grow their own corpus (fuzz/corpus, not kept); the seeds are kept, and CI runs every
 target over them and over fuzz/regressions (crates/sluice-fuzz/tests/corpus.rs).

@@ -30,11 +30,20 @@ pub enum Target {
     TokenizerJson,
     /// A chat template (Jinja from a model's files is code) rendered with hostile messages.
     ChatTemplate,
+    /// The manifest of a packed folder (`sluice-pack.json`: the expert layout, offsets
+    /// and sizes into `experts.bin`), checked against a real packed model's files.
+    PackManifest,
 }
 
 impl Target {
-    pub const ALL: [Target; 5] =
-        [Target::Gguf, Target::Safetensors, Target::HfConfig, Target::TokenizerJson, Target::ChatTemplate];
+    pub const ALL: [Target; 6] = [
+        Target::Gguf,
+        Target::Safetensors,
+        Target::HfConfig,
+        Target::TokenizerJson,
+        Target::ChatTemplate,
+        Target::PackManifest,
+    ];
 
     /// The name of its folders under `fuzz/` and of its `cargo fuzz` target.
     pub fn name(self) -> &'static str {
@@ -44,6 +53,7 @@ impl Target {
             Target::HfConfig => "hf_config",
             Target::TokenizerJson => "tokenizer_json",
             Target::ChatTemplate => "chat_template",
+            Target::PackManifest => "pack_manifest",
         }
     }
 
@@ -56,6 +66,7 @@ impl Target {
             Target::HfConfig => hf_config(data),
             Target::TokenizerJson => tokenizer_json(data),
             Target::ChatTemplate => chat_template(data),
+            Target::PackManifest => pack_manifest(data),
         }
     }
 }
@@ -168,4 +179,30 @@ fn chat_template(data: &[u8]) {
         let tools = serde_json::json!([{"type": "function", "function": {"name": "f{{x}}", "parameters": {}}}]);
         let _ = tok.apply_chat_template_with_tools(&messages, Some(&tools), false);
     });
+}
+
+/// A packed folder of a tiny synthetic MoE (`sluice synth --geometry tiny-moe --layers 2
+/// --packed`), written once per process; its manifest is what the fuzzer writes.
+fn packed_folder() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        use sluice_formats::synth::{Geometry, Synth, SynthOptions};
+        let dir = scratch().join("packed");
+        let _ = std::fs::remove_dir_all(&dir);
+        let geometry = Geometry::named("tiny-moe").and_then(|g| g.with_layers(2).ok()).expect("tiny-moe geometry");
+        let opts =
+            SynthOptions { geometry, quant: sluice_core::DType::Q4K, skew: 0.0, seed: 0, tuning: Default::default() };
+        Synth::new(opts).and_then(|s| s.write_packed(&dir, &|_| {})).expect("cannot write the packed folder");
+        dir
+    })
+}
+
+fn pack_manifest(data: &[u8]) {
+    let dir = packed_folder();
+    std::fs::write(dir.join(sluice_formats::pack::MANIFEST), data).expect("cannot write to the fuzz scratch folder");
+    if let Ok(ckpt) = Checkpoint::open(dir) {
+        for t in ckpt.tensors() {
+            std::hint::black_box(t.bytes().len());
+        }
+    }
 }
