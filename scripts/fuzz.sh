@@ -3,7 +3,8 @@
 # `cargo install cargo-fuzz`).
 #
 #   scripts/fuzz.sh TARGET [SECONDS]            one target (gguf, safetensors, hf_config,
-#                                               tokenizer_json, chat_template, pack_manifest)
+#                                               tokenizer_json, chat_template, pack_manifest,
+#                                               server_request)
 #   scripts/fuzz.sh all [SECONDS]               each in turn
 #
 # Starts from fuzz/seeds/TARGET (scripts/make_fuzz_seeds.py) and keeps what it learns in
@@ -19,7 +20,7 @@ seconds="${2:-600}"
 host="$(rustc -vV | sed -n 's/^host: //p')"
 cargo +nightly fuzz build -O >/dev/null
 targets=("$target")
-[ "$target" = all ] && targets=(gguf safetensors hf_config tokenizer_json chat_template pack_manifest)
+[ "$target" = all ] && targets=(gguf safetensors hf_config tokenizer_json chat_template pack_manifest server_request)
 mkdir -p logs
 for t in "${targets[@]}"; do
     mkdir -p "corpus/$t" "artifacts/$t"

@@ -33,16 +33,21 @@ pub enum Target {
     /// The manifest of a packed folder (`sluice-pack.json`: the expert layout, offsets
     /// and sizes into `experts.bin`), checked against a real packed model's files.
     PackManifest,
+    /// A request to `sluice serve` (the Qwen3 fixture behind it): the first byte picks
+    /// the route, the rest is the body. Every route of OpenAI's, Anthropic's and Ollama's
+    /// APIs; the answer must be a status and a body, whatever was asked.
+    ServerRequest,
 }
 
 impl Target {
-    pub const ALL: [Target; 6] = [
+    pub const ALL: [Target; 7] = [
         Target::Gguf,
         Target::Safetensors,
         Target::HfConfig,
         Target::TokenizerJson,
         Target::ChatTemplate,
         Target::PackManifest,
+        Target::ServerRequest,
     ];
 
     /// The name of its folders under `fuzz/` and of its `cargo fuzz` target.
@@ -54,6 +59,7 @@ impl Target {
             Target::TokenizerJson => "tokenizer_json",
             Target::ChatTemplate => "chat_template",
             Target::PackManifest => "pack_manifest",
+            Target::ServerRequest => "server_request",
         }
     }
 
@@ -67,6 +73,7 @@ impl Target {
             Target::TokenizerJson => tokenizer_json(data),
             Target::ChatTemplate => chat_template(data),
             Target::PackManifest => pack_manifest(data),
+            Target::ServerRequest => server_request(data),
         }
     }
 }
@@ -205,4 +212,52 @@ fn pack_manifest(data: &[u8]) {
             std::hint::black_box(t.bytes().len());
         }
     }
+}
+
+/// The routes a request may take: its method and path.
+const ROUTES: [(&str, &str); 12] = [
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/messages"),
+    ("POST", "/api/chat"),
+    ("POST", "/api/generate"),
+    ("POST", "/api/show"),
+    ("GET", "/v1/models"),
+    ("GET", "/v1/models/fuzz"),
+    ("GET", "/api/tags"),
+    ("GET", "/metrics"),
+    ("GET", "/health"),
+    ("POST", "/v1/embeddings"),
+];
+
+/// A server over the Qwen3 fixture, started once per process, its context cut to 256
+/// tokens so that no request can make an input slow.
+fn server() -> &'static sluice_server::InProcess {
+    static SERVER: OnceLock<sluice_server::InProcess> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen3");
+        let mut model = sluice_engine::Model::open(&dir).expect("the Qwen3 fixture loads");
+        model.max_context = model.max_context.min(256);
+        let tok = Tokenizer::from_hf_dir(&dir).expect("the Qwen3 fixture's tokenizer loads");
+        let cfg = sluice_server::ServeConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            api_key: None,
+            name: "fuzz".into(),
+            max_body_bytes: 1 << 20,
+            body_timeout: std::time::Duration::from_secs(5),
+            limits: sluice_server::Limits { parallel: 4, max_queue: 8, step_rows: 32, prefix_cache_bytes: 1 << 20 },
+            chat_stop: None,
+            info: Default::default(),
+        };
+        sluice_server::InProcess::new(model, tok, cfg).expect("the in-process server starts")
+    })
+}
+
+fn server_request(data: &[u8]) {
+    let Some((&route, body)) = data.split_first() else { return };
+    let (method, path) = ROUTES[route as usize % ROUTES.len()];
+    let (status, _) = server().request(method, path, body.to_vec());
+    // An answer, never a failure of the server's own: a 500 is a bug found.
+    assert!(status != 500, "{method} {path} answered 500");
 }

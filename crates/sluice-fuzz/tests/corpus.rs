@@ -4,6 +4,7 @@
 //! This is what CI runs of the fuzzers; the fuzzing itself is `fuzz/README.md`'s.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use sluice_fuzz::Target;
 
@@ -14,8 +15,17 @@ fn inputs(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// Panics on any thread, caught or not: the server turns a panic in a step into a 500,
+/// libFuzzer's hook aborts on every one, and so does this test.
+static PANICS: AtomicUsize = AtomicUsize::new(0);
+
 #[test]
 fn every_target_over_its_seeds_and_regressions() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICS.fetch_add(1, Ordering::SeqCst);
+        default(info);
+    }));
     let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
     for target in Target::ALL {
         let seeds = inputs(&fuzz.join("seeds").join(target.name()));
@@ -25,6 +35,7 @@ fn every_target_over_its_seeds_and_regressions() {
             let data = std::fs::read(file).unwrap();
             eprintln!("{}: {}", target.name(), file.display());
             target.run(&data);
+            assert_eq!(PANICS.load(Ordering::SeqCst), 0, "{}: a panic (above)", file.display());
         }
     }
 }

@@ -107,31 +107,8 @@ pub(crate) fn unix_now() -> u64 {
 /// Serves `model` until the process is interrupted. Prints the address it listens on
 /// to stderr once it does (`listening on http://HOST:PORT`).
 pub fn serve<B: Backend>(model: Model<B>, tok: Tokenizer, cfg: ServeConfig) -> Result<()> {
-    let model = Arc::new(model);
-    let tok = Arc::new(tok);
-    let metrics = Arc::new(Metrics::default());
-    let stop_ids = tok.stop_ids(&model.spec.eos_token_ids);
-    let scheduler = Scheduler::start(model.clone(), tok.clone(), stop_ids.clone(), cfg.limits, metrics.clone());
-    let m = model.clone();
-    let app = Arc::new(App {
-        context: model.max_context,
-        vocab_size: model.spec.vocab_size,
-        eos: stop_ids.first().copied().unwrap_or(0),
-        grammars: std::sync::OnceLock::new(),
-        tok,
-        scheduler,
-        metrics,
-        started: unix_now(),
-        next_id: AtomicU64::new(1),
-        hit_rate: Box::new(move || m.store.stats().hit_rate),
-        cfg: cfg.clone(),
-    });
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("sluice-http")
-        .enable_all()
-        .build()
-        .map_err(|e| Error::Unsupported(format!("serve: cannot start the HTTP runtime: {e}")))?;
+    let app = app(model, tok, &cfg);
+    let rt = runtime()?;
     rt.block_on(async move {
         let addr = format!("{}:{}", cfg.host, cfg.port);
         let listener = tokio::net::TcpListener::bind(&addr)
@@ -146,6 +123,70 @@ pub fn serve<B: Backend>(model: Model<B>, tok: Tokenizer, cfg: ServeConfig) -> R
             })
             .await
             .map_err(|e| Error::Unsupported(format!("serve: {e}")))
+    })
+}
+
+/// The HTTP runtime: two workers, the model's steps run on the scheduler's own thread.
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("sluice-http")
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Unsupported(format!("serve: cannot start the HTTP runtime: {e}")))
+}
+
+/// The server without a socket: requests go straight to its router, in this process.
+/// For fuzzing the routes with arbitrary bodies (crates/sluice-fuzz), where a socket
+/// per input would measure the kernel instead.
+pub struct InProcess {
+    router: Router,
+    rt: tokio::runtime::Runtime,
+}
+
+impl InProcess {
+    pub fn new<B: Backend>(model: Model<B>, tok: Tokenizer, cfg: ServeConfig) -> Result<InProcess> {
+        let app = app(model, tok, &cfg);
+        Ok(InProcess { router: router(app), rt: runtime()? })
+    }
+
+    /// Sends one request and reads its whole answer: the status and the body.
+    pub fn request(&self, method: &str, path: &str, body: Vec<u8>) -> (u16, Vec<u8>) {
+        use tower::ServiceExt;
+        let req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(axum::http::header::CONTENT_TYPE, "application/json")
+            .body(axum::body::Body::from(body));
+        let Ok(req) = req else { return (400, Vec::new()) };
+        self.rt.block_on(async {
+            let Ok(resp) = self.router.clone().oneshot(req).await;
+            let status = resp.status().as_u16();
+            let body = axum::body::to_bytes(resp.into_body(), usize::MAX).await.map(|b| b.to_vec()).unwrap_or_default();
+            (status, body)
+        })
+    }
+}
+
+fn app<B: Backend>(model: Model<B>, tok: Tokenizer, cfg: &ServeConfig) -> Arc<App> {
+    let model = Arc::new(model);
+    let tok = Arc::new(tok);
+    let metrics = Arc::new(Metrics::default());
+    let stop_ids = tok.stop_ids(&model.spec.eos_token_ids);
+    let scheduler = Scheduler::start(model.clone(), tok.clone(), stop_ids.clone(), cfg.limits, metrics.clone());
+    let m = model.clone();
+    Arc::new(App {
+        context: model.max_context,
+        vocab_size: model.spec.vocab_size,
+        eos: stop_ids.first().copied().unwrap_or(0),
+        grammars: std::sync::OnceLock::new(),
+        tok,
+        scheduler,
+        metrics,
+        started: unix_now(),
+        next_id: AtomicU64::new(1),
+        hit_rate: Box::new(move || m.store.stats().hit_rate),
+        cfg: cfg.clone(),
     })
 }
 
