@@ -854,6 +854,13 @@ fn metadata(o: &SynthOptions) -> Vec<(String, GgufValue)> {
             put(&key("attention.key_length"), u32v(g.head_dim));
             put(&key("attention.value_length"), u32v(g.head_dim));
             put(&key("rope.dimension_count"), u32v(d.rope_dim));
+            // The multimodal RoPE's split of the rotated pairs (text, height, width; the
+            // published [11, 11, 10] of 32 pairs). Text positions are the same in all
+            // three, so it changes nothing for text; llama.cpp requires the key.
+            let pairs = (d.rope_dim / 2) as u32;
+            let first = pairs.div_ceil(3);
+            let sections = [first, first, pairs.saturating_sub(2 * first), 0];
+            put(&key("rope.dimension_sections"), GgufValue::Array(sections.map(GgufValue::U32).to_vec()));
             put(&key("ssm.conv_kernel"), u32v(d.conv_kernel));
             put(&key("ssm.state_size"), u32v(d.k_dim));
             put(&key("ssm.group_count"), u32v(d.k_heads));
