@@ -737,52 +737,33 @@ def qwen_common(num_layers: int) -> dict:
     )
 
 
-def build_qwen3_moe():
+def qwen3_moe(n_layers: int, mlp_only_layers: list, decoder_sparse_step: int, norm_topk_prob: bool):
+    """A Qwen3-MoE of 8 experts, top 2, expert width 32, untied."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    c = qwen_common(4)
+    c = qwen_common(n_layers)
     c.update(
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
-        mlp_only_layers=[1],
-        decoder_sparse_step=1,
-        norm_topk_prob=True,
+        mlp_only_layers=mlp_only_layers,
+        decoder_sparse_step=decoder_sparse_step,
+        norm_topk_prob=norm_topk_prob,
         tie_word_embeddings=False,
     )
     return Qwen3MoeForCausalLM, Qwen3MoeConfig(**c)
+
+
+def build_qwen3_moe():
+    return qwen3_moe(4, [1], 1, True)
 
 
 def build_qwen3_moe_sparse():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    c = qwen_common(3)
-    c.update(
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        mlp_only_layers=[],
-        decoder_sparse_step=1,
-        norm_topk_prob=True,
-        tie_word_embeddings=False,
-    )
-    return Qwen3MoeForCausalLM, Qwen3MoeConfig(**c)
+    return qwen3_moe(3, [], 1, True)
 
 
 def build_qwen3_moe_fused():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    c = qwen_common(3)
-    c.update(
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        mlp_only_layers=[],
-        decoder_sparse_step=2,
-        norm_topk_prob=False,
-        tie_word_embeddings=False,
-    )
-    return Qwen3MoeForCausalLM, Qwen3MoeConfig(**c)
+    return qwen3_moe(3, [], 2, False)
 
 
 def build_qwen3():
