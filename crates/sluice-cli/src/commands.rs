@@ -392,7 +392,7 @@ fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<(LoadOptions, Place
         PrefetchArg::Off => Prefetch::Off,
         PrefetchArg::Pilot => Prefetch::Pilot,
     };
-    Ok((LoadOptions { store, prefetch, precision: precision(e) }, placement))
+    Ok((LoadOptions { store, prefetch, precision: precision(e), kv: e.kv_bits }, placement))
 }
 
 fn precision(e: &EngineArgs) -> Option<Precision> {
@@ -579,6 +579,7 @@ fn run_on<B: Backend>(
             "prefill_tok_s": prompt_tokens as f64 / prefill_s.max(1e-9),
             "decode_tok_s": decode_steps as f64 / decode_s.max(1e-9),
             "stop": totals.last().map(|s| s.stop),
+            "kv_bits": model.kv_format.bits(),
             "kv_cache_bytes": session.kv_bytes(),
             "peak_rss_bytes": peak_rss_bytes(),
             "phases": PhaseMs::from(&session.stats.timers),
@@ -772,10 +773,11 @@ fn bench_on<B: Backend>(a: &BenchArgs, threads: usize, Loaded { model, load_s, w
             decode_fetch_wait_s: after.fetch_wait_s - before.fetch_wait_s,
         });
         let kv: usize = states.iter().map(|s| s.kv_bytes(&model.be)).sum();
-        last = Some((PhaseMs::from(&stats.timers), kv, stats.pilot));
+        let positions: usize = states.iter().map(|s| s.len()).sum();
+        last = Some((PhaseMs::from(&stats.timers), (kv, positions), stats.pilot));
     }
     record_routing(&a.engine, &model)?;
-    let (phases, kv, pilot) = last.expect("at least one run");
+    let (phases, (kv, positions), pilot) = last.expect("at least one run");
     let med = |f: fn(&BenchRun) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
     let p = med(|r| r.prefill_tok_s);
     let d = med(|r| r.decode_tok_s);
@@ -836,7 +838,10 @@ fn bench_on<B: Backend>(a: &BenchArgs, threads: usize, Loaded { model, load_s, w
             "decode_tok_s_per_sequence": d_seq,
             "runs": runs,
             "peak_rss_bytes": rss,
+            "kv_bits": model.kv_format.bits(),
             "kv_cache_bytes": kv,
+            // What the caches hold per position of the sequences, every layer together.
+            "kv_bytes_per_position": kv as f64 / positions.max(1) as f64,
             "weight_bytes_per_token": model.bytes_per_token,
             "memory_read_bytes_per_s": bw,
             "roofline_decode_tok_s": roofline,

@@ -106,6 +106,16 @@ pub struct EngineArgs {
     /// available). Routed experts go by --residency.
     #[arg(long, value_enum, default_value_t = WeightsArg::Auto)]
     pub weights: WeightsArg,
+    /// Bits per cached key and value: 32 (f32), 16 (f16), 8 (8-bit with a scale per
+    /// head), or TurboQuant's 4, 3.5, 3, 2 (a random rotation, then Lloyd-Max codes;
+    /// attention reads the codes). Sliding-window layers keep 16. Default: 16 for
+    /// quantized and 16-bit checkpoints, 32 for f32 ones and on CUDA
+    #[arg(long, value_name = "BITS", value_parser = parse_kv_bits)]
+    pub kv_bits: Option<sluice_core::KvFormat>,
+}
+
+fn parse_kv_bits(s: &str) -> Result<sluice_core::KvFormat, String> {
+    s.parse().map_err(|_| format!("takes {}", sluice_core::KvFormat::NAMES))
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

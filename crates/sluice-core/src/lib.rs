@@ -4,6 +4,7 @@
 pub mod cache;
 pub mod dtype;
 pub mod error;
+pub mod kv;
 pub mod mat;
 pub mod quant;
 pub mod spec;
@@ -11,5 +12,6 @@ pub mod testing;
 
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use kv::{KvFormat, KvLayout, TurboBits};
 pub use mat::{MatRef, Precision};
 pub use spec::*;

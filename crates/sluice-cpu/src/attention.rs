@@ -7,103 +7,9 @@
 
 use rayon::prelude::*;
 
-use crate::dot::{dot_f32_rows, weighted_sum};
+use crate::dot::{dot_f32, dot_f32_rows, weighted_sum};
+pub use crate::kv::KvCache;
 use crate::ops::{softmax, softmax_with_sink};
-
-/// One layer's keys and values, `kv_dim` floats per position. Full-attention layers
-/// keep every position; sliding layers keep a ring of the last `window`.
-#[derive(Clone, Debug)]
-pub struct KvCache {
-    kv_dim: usize,
-    window: Option<usize>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    /// Positions written so far; the next one appended is position `len`.
-    len: usize,
-}
-
-impl KvCache {
-    pub fn new(kv_dim: usize, window: Option<usize>) -> Self {
-        KvCache { kv_dim, window, k: Vec::new(), v: Vec::new(), len: 0 }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Oldest position still held.
-    pub fn first(&self) -> usize {
-        self.window.map_or(0, |w| self.len.saturating_sub(w))
-    }
-
-    pub fn bytes(&self) -> usize {
-        (self.k.capacity() + self.v.capacity()) * 4
-    }
-
-    pub fn clear(&mut self) {
-        self.len = 0;
-    }
-
-    fn slot(&self, pos: usize) -> usize {
-        self.window.map_or(pos, |w| pos % w)
-    }
-
-    pub fn key(&self, pos: usize) -> &[f32] {
-        debug_assert!(pos >= self.first() && pos < self.len);
-        let s = self.slot(pos) * self.kv_dim;
-        &self.k[s..s + self.kv_dim]
-    }
-
-    pub fn value(&self, pos: usize) -> &[f32] {
-        let s = self.slot(pos) * self.kv_dim;
-        &self.v[s..s + self.kv_dim]
-    }
-
-    /// A cache holding this one's positions `0..keep` (as a ring: the last `window` of
-    /// them), or `None` when some of those positions are no longer held (a ring that
-    /// has gone round past them). For a prompt that shares only a prefix with a kept
-    /// sequence (the same system prompt, another question).
-    pub fn prefix(&self, keep: usize) -> Option<KvCache> {
-        let from = self.window.map_or(0, |w| keep.saturating_sub(w));
-        if keep > self.len || from < self.first() {
-            return None;
-        }
-        // A ring keeps position `pos` in slot `pos % window` whatever its length, so the
-        // slots of positions `from..keep` are the first `min(keep, window)` as they are.
-        let rows = self.window.map_or(keep, |w| keep.min(w)) * self.kv_dim;
-        Some(KvCache {
-            kv_dim: self.kv_dim,
-            window: self.window,
-            k: self.k[..rows].to_vec(),
-            v: self.v[..rows].to_vec(),
-            len: keep,
-        })
-    }
-
-    /// Appends `n` positions (`[n, kv_dim]` each).
-    pub fn append(&mut self, k: &[f32], v: &[f32]) {
-        let d = self.kv_dim;
-        let n = k.len() / d;
-        assert_eq!(v.len(), n * d);
-        // Only the last `window` of a long chunk survive in a ring.
-        let skip = self.window.map_or(0, |w| n.saturating_sub(w));
-        let held = self.window.map_or(self.len + n, |w| (self.len + n).min(w));
-        if self.k.len() < held * d {
-            self.k.resize(held * d, 0.0);
-            self.v.resize(held * d, 0.0);
-        }
-        for i in skip..n {
-            let s = self.slot(self.len + i) * d;
-            self.k[s..s + d].copy_from_slice(&k[i * d..(i + 1) * d]);
-            self.v[s..s + d].copy_from_slice(&v[i * d..(i + 1) * d]);
-        }
-        self.len += n;
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 pub struct AttnParams<'a> {
@@ -157,7 +63,21 @@ pub fn attention(p: &AttnParams<'_>, q: &[f32], k_new: &[f32], v_new: &[f32], se
     // the heads it is computed with.
     let threads = if parallel { rayon::current_num_threads() } else { 1 };
     let heads = (1..=group).rev().find(|&d| group.is_multiple_of(d) && n * (p.n_heads / d) >= 2 * threads).unwrap_or(1);
-    let job = Job { p, q, k_new, v_new, seqs, row_seq: &row_seq, heads };
+    // A coded cache's sequences code their new rows in the same format first, so that
+    // a chunk reads its own keys and values as every later step will (a prompt gives the
+    // same result however it is cut into chunks).
+    let coded: Vec<KvCache> = seqs
+        .iter()
+        .filter(|s| s.cache.codec().is_some())
+        .map(|s| {
+            let kd = p.n_kv_heads * hd;
+            let mut c = s.cache.empty_like();
+            c.append(&k_new[s.first * kd..(s.first + s.rows) * kd], &v_new[s.first * kd..(s.first + s.rows) * kd]);
+            c
+        })
+        .collect();
+    assert!(coded.is_empty() || coded.len() == seqs.len(), "attention: one call's caches share their format");
+    let job = Job { p, q, k_new, v_new, seqs, coded: &coded, row_seq: &row_seq, heads };
     let tasks_per_row = p.n_heads / heads;
     let task = |(idx, o): (usize, &mut [f32])| job.run(idx / tasks_per_row, (idx % tasks_per_row) * heads, o);
     if parallel {
@@ -174,6 +94,8 @@ struct Job<'a> {
     k_new: &'a [f32],
     v_new: &'a [f32],
     seqs: &'a [AttnSeq<'a>],
+    /// Per sequence, its new rows coded as its cache codes them (none for f32 caches).
+    coded: &'a [KvCache],
     row_seq: &'a [u32],
     /// Query heads per task, all of one KV head's group.
     heads: usize,
@@ -187,20 +109,12 @@ impl Job<'_> {
         let (kv_dim, q_dim) = (p.n_kv_heads * hd, p.n_heads * hd);
         let heads = self.heads;
         let kvh = h0 / (p.n_heads / p.n_kv_heads);
-        let s = &self.seqs[self.row_seq[row] as usize];
+        let si = self.row_seq[row] as usize;
+        let s = &self.seqs[si];
         let (cache, start) = (s.cache, s.cache.len());
         let pos = start + row - s.first;
         let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         assert!(lo >= cache.first(), "attention: position {lo} is no longer in the cache");
-        let kh = kvh * hd;
-        // Position j of this sequence: in its cache, or one of its new rows.
-        let new_row = |j: usize| (s.first + j - start) * kv_dim + kh;
-        let key = |j: usize| -> &[f32] {
-            if j < start { &cache.key(j)[kh..kh + hd] } else { &self.k_new[new_row(j)..new_row(j) + hd] }
-        };
-        let value = |j: usize| -> &[f32] {
-            if j < start { &cache.value(j)[kh..kh + hd] } else { &self.v_new[new_row(j)..new_row(j) + hd] }
-        };
         let qs = &self.q[row * q_dim + h0 * hd..row * q_dim + (h0 + heads) * hd];
         // The positions the row attends to: a window's, or the ones chosen for it.
         let chosen = p.select.map(|sel| sel[row].as_slice());
@@ -215,19 +129,69 @@ impl Job<'_> {
         // Scores of every head of the task, head-major (the keys stay in cache from
         // one head to the next).
         let mut sc = vec![0f32; heads * len];
+        if let Some(codec) = cache.codec() {
+            // A coded cache: each key and value decoded once into a row of the head, for
+            // every query head of the task; TurboQuant's rows are rotated, so the
+            // queries are rotated once and the sum of values rotated back once.
+            let chunk = &self.coded[si];
+            let load = |j: usize, buf: &mut [f32], value: bool| {
+                let (c, j) = if j < start { (cache, j) } else { (chunk, j - start) };
+                if value { c.value_into(j, kvh, buf) } else { c.key_into(j, kvh, buf) }
+            };
+            let mut qr = qs.to_vec();
+            if codec.rotates() {
+                qr.chunks_mut(hd).for_each(|q| codec.rotate(kvh, q));
+            }
+            let mut buf = vec![0f32; hd];
+            for t in 0..len {
+                load(at(t), &mut buf, false);
+                for (j, qh) in qr.chunks(hd).enumerate() {
+                    sc[j * len + t] = dot_f32(qh, &buf);
+                }
+            }
+            sc.chunks_mut(len).enumerate().for_each(|(j, w)| self.weights(w, h0 + j));
+            out.fill(0.0);
+            for t in 0..len {
+                load(at(t), &mut buf, true);
+                for (o, w) in out.chunks_mut(hd).zip(sc.chunks(len)) {
+                    let w = w[t];
+                    o.iter_mut().zip(&buf).for_each(|(o, v)| *o += w * v);
+                }
+            }
+            if codec.rotates() {
+                out.chunks_mut(hd).for_each(|o| codec.unrotate(kvh, o));
+            }
+            return;
+        }
+        let kh = kvh * hd;
+        // Position j of this sequence: in its cache, or one of its new rows.
+        let new_row = |j: usize| (s.first + j - start) * kv_dim + kh;
+        let key = |j: usize| -> &[f32] {
+            if j < start { &cache.key(j)[kh..kh + hd] } else { &self.k_new[new_row(j)..new_row(j) + hd] }
+        };
+        let value = |j: usize| -> &[f32] {
+            if j < start { &cache.value(j)[kh..kh + hd] } else { &self.v_new[new_row(j)..new_row(j) + hd] }
+        };
         for (j, (qh, w)) in qs.chunks(hd).zip(sc.chunks_mut(len)).enumerate() {
             dot_f32_rows(qh, |t| key(at(t)), w);
-            w.iter_mut().for_each(|x| *x *= p.scale);
-            if let Some(cap) = p.softcap {
-                w.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
-            }
-            match p.sinks {
-                Some(s) => softmax_with_sink(w, s[h0 + j]),
-                None => softmax(w),
-            }
+            self.weights(w, h0 + j);
         }
         for (o, w) in out.chunks_mut(hd).zip(sc.chunks(len)) {
             weighted_sum(o, w, |t| value(at(t)));
+        }
+    }
+
+    /// Query head `head`'s raw scores into attention weights: scaled, soft-capped,
+    /// softmax (with the head's sink).
+    fn weights(&self, w: &mut [f32], head: usize) {
+        let p = self.p;
+        w.iter_mut().for_each(|x| *x *= p.scale);
+        if let Some(cap) = p.softcap {
+            w.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
+        }
+        match p.sinks {
+            Some(s) => softmax_with_sink(w, s[head]),
+            None => softmax(w),
         }
     }
 }
@@ -392,5 +356,97 @@ mod tests {
         let mut got = vec![0f32; q.len()];
         attention(&p, &q, &k, &v, &seqs, &mut got);
         assert!(got == alone);
+    }
+
+    /// A coded cache: a prompt in one chunk, in chunks and token by token gives the same
+    /// bits (a chunk reads its own rows coded), close to f32 attention by the format's
+    /// precision; a batch of sequences gives each one's bits alone.
+    #[test]
+    fn coded_caches_are_chunk_invariant() {
+        use sluice_core::{KvFormat, KvLayout, TurboBits};
+        let p = AttnParams {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 32,
+            scale: 0.18,
+            window: None,
+            softcap: None,
+            sinks: None,
+            select: None,
+        };
+        let n = 13;
+        let (qd, kd) = (128, 64);
+        // Gaussian keys, values and queries (a rotated real head looks like this).
+        let g = |m: usize, seed: u64| crate::kv::tests::gaussian(m, seed);
+        let (q, k, v) = (g(n * qd, 1), g(n * kd, 2), g(n * kd, 3));
+        let want = naive(&p, &q, &k, &v, 0, n);
+        for (format, tol) in [
+            (KvFormat::F16, 1e-3),
+            (KvFormat::Q8, 0.015),
+            (KvFormat::Turbo(TurboBits::Four), 0.15),
+            (KvFormat::Turbo(TurboBits::ThreeHalf), 0.2),
+            (KvFormat::Turbo(TurboBits::Two), 0.5),
+        ] {
+            let layout = KvLayout { kv_dim: kd, head_dim: 32, window: None, format, seed: 7 };
+            let mut runs = Vec::new();
+            for chunk in [n, 5, 1] {
+                let mut cache = KvCache::with_layout(&layout).unwrap();
+                let mut got = vec![0f32; n * qd];
+                let mut s = 0;
+                while s < n {
+                    let e = (s + chunk).min(n);
+                    let seq = [AttnSeq { first: 0, rows: e - s, cache: &cache }];
+                    attention(
+                        &p,
+                        &q[s * qd..e * qd],
+                        &k[s * kd..e * kd],
+                        &v[s * kd..e * kd],
+                        &seq,
+                        &mut got[s * qd..e * qd],
+                    );
+                    cache.append(&k[s * kd..e * kd], &v[s * kd..e * kd]);
+                    s = e;
+                }
+                runs.push(got);
+            }
+            assert!(runs[1] == runs[0] && runs[2] == runs[0], "{format:?}: chunking changed the result");
+            // Relative RMS error against f32 attention.
+            let sq = |x: f32| (x as f64) * (x as f64);
+            let err = (runs[0].iter().zip(&want).map(|(a, b)| sq(a - b)).sum::<f64>()
+                / want.iter().map(|&b| sq(b)).sum::<f64>())
+            .sqrt();
+            eprintln!("{format:?}: relative RMS error {err:.5}");
+            assert!(err < tol, "{format:?}: relative RMS error {err} against f32");
+            // Two sequences in one call, each as alone.
+            let mut c1 = KvCache::with_layout(&layout).unwrap();
+            c1.append(&k[..5 * kd], &v[..5 * kd]);
+            let c2 = KvCache::with_layout(&layout).unwrap();
+            let mut alone = vec![0f32; 3 * qd];
+            attention(
+                &p,
+                &q[5 * qd..6 * qd],
+                &k[5 * kd..6 * kd],
+                &v[5 * kd..6 * kd],
+                &[AttnSeq { first: 0, rows: 1, cache: &c1 }],
+                &mut alone[..qd],
+            );
+            attention(
+                &p,
+                &q[..2 * qd],
+                &k[..2 * kd],
+                &v[..2 * kd],
+                &[AttnSeq { first: 0, rows: 2, cache: &c2 }],
+                &mut alone[qd..],
+            );
+            let mut both = vec![0f32; 3 * qd];
+            let (mut qb, mut kb, mut vb) =
+                (q[5 * qd..6 * qd].to_vec(), k[5 * kd..6 * kd].to_vec(), v[5 * kd..6 * kd].to_vec());
+            qb.extend(&q[..2 * qd]);
+            kb.extend(&k[..2 * kd]);
+            vb.extend(&v[..2 * kd]);
+            let seqs = [AttnSeq { first: 0, rows: 1, cache: &c1 }, AttnSeq { first: 1, rows: 2, cache: &c2 }];
+            attention(&p, &qb, &kb, &vb, &seqs, &mut both);
+            assert!(both == alone, "{format:?}: batching changed a result");
+        }
     }
 }

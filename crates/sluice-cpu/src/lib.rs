@@ -11,6 +11,7 @@ pub mod attention;
 pub mod delta;
 pub mod dot;
 mod isa;
+pub mod kv;
 pub mod matmul;
 pub mod ops;
 mod par;

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
-use sluice_core::{Activation, Error, Glu, HeadOrder, Result, RopeSpec, RopeStyle, RouterKind};
+use sluice_core::{Activation, Error, Glu, HeadOrder, KvFormat, KvLayout, Result, RopeSpec, RopeStyle, RouterKind};
 use sluice_engine::backend::{
     AttnOp, Backend, DeltaOp, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols,
 };
@@ -758,7 +758,16 @@ impl Backend for Cuda {
         self.act_from_host(rows, cols, data)
     }
 
-    fn kv_new(&self, kv_dim: usize, window: Option<usize>) -> Result<DevKv> {
+    fn kv_new(&self, layout: &KvLayout) -> Result<DevKv> {
+        if layout.format != KvFormat::F32 {
+            // The CUDA kernels read f32 caches; 16-bit and coded caches are the CPU's
+            // for now (Model::kv_format defaults to 32 on this backend).
+            return Err(Error::Unsupported(format!(
+                "--kv-bits {} with --backend cuda: the CUDA backend keeps its KV cache in f32 (--kv-bits 32)",
+                layout.format
+            )));
+        }
+        let (kv_dim, window) = (layout.kv_dim, layout.window);
         Ok(DevKv { kv_dim, window, k: self.dev.alloc(1)?, v: self.dev.alloc(1)?, cap: 0, len: 0 })
     }
 

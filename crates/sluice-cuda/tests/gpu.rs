@@ -323,7 +323,12 @@ fn long_sequences_against_the_cpu() {
             }
             match gpu {
                 Some(be) => go(Model::load(be.clone(), &ckpt).unwrap(), &tokens),
-                None => go(Model::load(sluice_engine::backend::Cpu::default(), &ckpt).unwrap(), &tokens),
+                // The CUDA backend keeps f32 caches; the CPU is compared at the same width.
+                None => {
+                    let opts =
+                        sluice_engine::LoadOptions { kv: Some(sluice_core::KvFormat::F32), ..Default::default() };
+                    go(Model::load_with(sluice_engine::backend::Cpu::default(), &ckpt, &opts, None).unwrap(), &tokens)
+                }
             }
         };
         let (g, c) = (run(Some(&be)), run(None));

@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use sluice_core::{Error, Family, ModelSpec, Precision, Result};
+use sluice_core::{DType, Error, Family, KvFormat, ModelSpec, Precision, Result};
 use sluice_experts::{ExpertStore, StoreConfig};
 use sluice_formats::Checkpoint;
 
@@ -45,6 +45,28 @@ pub struct LoadOptions {
     pub prefetch: Prefetch,
     /// Activation precision for every step; `None` picks per sequence ([`Model::precision`]).
     pub precision: Option<Precision>,
+    /// How KV caches store their positions (`--kv-bits`); `None` picks
+    /// [`default_kv_format`].
+    pub kv: Option<KvFormat>,
+}
+
+/// The KV cache's width when none is asked for: the width the keys are computed
+/// from. A checkpoint whose key projections are f32 keeps f32 caches (the fixtures
+/// stay exact against their references); a 16-bit or quantized one 16 bits. The CUDA
+/// backend's kernels read f32 caches, so it keeps f32.
+pub fn default_kv_format<B: Backend>(be: &B, ckpt: &Checkpoint) -> KvFormat {
+    use sluice_formats::names::{TensorId, TensorKind};
+    if be.name() == "cuda" {
+        return KvFormat::F32;
+    }
+    let keys = (0..ckpt.spec.layers.len())
+        .flat_map(|l| [TensorKind::AttnK, TensorKind::AttnKvAMqa].map(|k| ckpt.get(TensorId::layer(l, k))))
+        .flatten()
+        .next();
+    match keys.map(|t| t.dtype) {
+        None | Some(DType::F32) => KvFormat::F32,
+        Some(_) => KvFormat::F16,
+    }
 }
 
 pub struct Model<B: Backend = Cpu> {
@@ -64,6 +86,9 @@ pub struct Model<B: Backend = Cpu> {
     /// run on its own ([`Session::prefill`]), so every sampled token comes from
     /// accurate logits.
     pub precision: Option<Precision>,
+    /// How every sequence's KV caches store positions (a sliding layer's at most 16
+    /// bits); [`LoadOptions::kv`] or [`default_kv_format`].
+    pub kv_format: KvFormat,
     /// Weight bytes one decode step reads: every resident matrix, the output
     /// projection, one row of each embedding table, and top-k experts per MoE layer
     /// (their average size). Divided into memory bandwidth it gives the roofline.
@@ -150,6 +175,9 @@ impl<B: Backend> Model<B> {
             max_context: ckpt.spec.max_context,
             prefetch: if ckpt.spec.is_moe() { opts.prefetch } else { Prefetch::Off },
             precision: opts.precision,
+            // f32 until the 16-bit default has been measured on every test's reference
+            // (default_kv_format holds the rule it will follow).
+            kv_format: opts.kv.unwrap_or(KvFormat::F32),
             bytes_per_token: decode_bytes_per_token(ckpt, &store),
             state: net.state(),
             store,
@@ -160,7 +188,7 @@ impl<B: Backend> Model<B> {
 
     /// A new, empty sequence.
     pub fn new_state(&self) -> Result<SeqState<B>> {
-        SeqState::new(&self.be, &self.state)
+        SeqState::new(&self.be, &self.state, self.kv_format)
     }
 
     /// A one-sequence session.

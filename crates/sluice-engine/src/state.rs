@@ -5,7 +5,7 @@
 //! reference to an earlier layer's cache, a fixed-size recurrent state, a latent
 //! cache), and [`SeqState`] holds one [`LayerState`] of that kind per layer.
 
-use sluice_core::{Error, Result};
+use sluice_core::{Error, KvFormat, KvLayout, Result};
 
 use crate::backend::Backend;
 
@@ -14,7 +14,7 @@ use crate::backend::Backend;
 pub enum StateSpec {
     /// Keys and values of every position (`window: None`) or of the last `window`
     /// positions (a ring, for sliding-window layers).
-    Kv { kv_dim: usize, window: Option<usize> },
+    Kv { kv_dim: usize, head_dim: usize, window: Option<usize> },
     /// Nothing of its own: the layer attends over the cache of layer `source` (KV sharing).
     SharedKv { source: usize },
     /// A fixed-size state rewritten every token (a linear-attention recurrence and its
@@ -24,7 +24,7 @@ pub enum StateSpec {
     Latent { width: usize },
     /// Keys and values, and beside them one indexer key of `index_dim` per position,
     /// kept on the host where the indexer chooses (Qwen4-Exp's QSA).
-    IndexedKv { kv_dim: usize, index_dim: usize },
+    IndexedKv { kv_dim: usize, head_dim: usize, index_dim: usize },
     /// Nothing kept.
     Stateless,
 }
@@ -48,16 +48,25 @@ pub struct SeqState<B: Backend> {
 }
 
 impl<B: Backend> SeqState<B> {
-    pub fn new(be: &B, specs: &[StateSpec]) -> Result<SeqState<B>> {
+    /// A sequence's empty state; its caches store `kv` (a sliding layer's ring at
+    /// most 16 bits, see [`KvFormat::for_sliding`]).
+    pub fn new(be: &B, specs: &[StateSpec], kv: KvFormat) -> Result<SeqState<B>> {
         let layers = specs
             .iter()
-            .map(|s| {
+            .enumerate()
+            .map(|(layer, s)| {
+                let cache = |kv_dim, head_dim, window: Option<usize>| {
+                    let format = if window.is_some() { kv.for_sliding() } else { kv };
+                    be.kv_new(&KvLayout { kv_dim, head_dim, window, format, seed: layer as u64 })
+                };
                 Ok(match *s {
-                    StateSpec::Kv { kv_dim, window } => LayerState::Kv(be.kv_new(kv_dim, window)?),
+                    StateSpec::Kv { kv_dim, head_dim, window } => LayerState::Kv(cache(kv_dim, head_dim, window)?),
                     StateSpec::SharedKv { source } => LayerState::SharedKv(source),
                     StateSpec::Recurrent { rows, cols } => LayerState::Recurrent(be.zeros(rows, cols)?),
-                    StateSpec::Latent { width } => LayerState::Latent(be.kv_new(width, None)?),
-                    StateSpec::IndexedKv { kv_dim, .. } => LayerState::IndexedKv(be.kv_new(kv_dim, None)?, Vec::new()),
+                    StateSpec::Latent { width } => LayerState::Latent(cache(width, width, None)?),
+                    StateSpec::IndexedKv { kv_dim, head_dim, .. } => {
+                        LayerState::IndexedKv(cache(kv_dim, head_dim, None)?, Vec::new())
+                    }
                     StateSpec::Stateless => LayerState::Stateless,
                 })
             })

@@ -134,7 +134,7 @@ fn configs(ckpt: &Checkpoint) -> Vec<(StoreConfig, Prefetch)> {
 fn check_checkpoint(what: &str, ckpt: &Checkpoint, seqs: &[Vec<u32>]) {
     for (store, prefetch) in configs(ckpt) {
         let desc = format!("{what} {:?} {:?} {prefetch:?}", store.residency, store.budget);
-        let opts = LoadOptions { store, prefetch, precision: None };
+        let opts = LoadOptions { store, prefetch, precision: None, kv: None };
         let model = Model::load_with(Cpu::default(), ckpt, &opts, None).unwrap();
         check_model(&desc, &model, seqs);
     }
@@ -287,7 +287,7 @@ fn model_shared_across_threads() {
     let model = Model::load_with(
         Cpu::default(),
         &ckpt,
-        &LoadOptions { store, prefetch: Prefetch::Pilot, precision: None },
+        &LoadOptions { store, prefetch: Prefetch::Pilot, precision: None, kv: None },
         None,
     )
     .unwrap();

@@ -36,7 +36,8 @@ fn check_file(name: &str, path: &Path) {
     let ckpt = Checkpoint::open(path).unwrap();
     let toks = tokens(&dir);
     let load = |store: StoreConfig, prefetch: Prefetch| {
-        Model::load_with(Cpu::default(), &ckpt, &LoadOptions { store, prefetch, precision: None }, None).unwrap()
+        Model::load_with(Cpu::default(), &ckpt, &LoadOptions { store, prefetch, precision: None, kv: None }, None)
+            .unwrap()
     };
     let resident = load(StoreConfig { residency: Residency::Resident, ..Default::default() }, Prefetch::Off);
     let want = [logits(&resident, &toks, false), logits(&resident, &toks, true)];

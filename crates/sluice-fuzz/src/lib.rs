@@ -63,6 +63,11 @@ impl Target {
         }
     }
 
+    /// The target of that name (`Target::name`).
+    pub fn named(name: &str) -> Option<Target> {
+        Target::ALL.into_iter().find(|t| t.name() == name)
+    }
+
     /// Runs the target on one input. Errors are the expected outcome of most inputs and
     /// are dropped; anything else (a panic, an abort, a hang) is a finding.
     pub fn run(self, data: &[u8]) {
@@ -79,6 +84,16 @@ impl Target {
 }
 
 /// This process's scratch folder, made once.
+/// The Qwen3 fixture, which the template and server targets stand on. `SLUICE_FUZZ_FIXTURES`
+/// names the `fixtures/tiny` folder where the binary runs away from the tree it was built
+/// in (`scripts/fuzz_device.sh`).
+fn qwen3_fixture() -> PathBuf {
+    match std::env::var_os("SLUICE_FUZZ_FIXTURES") {
+        Some(dir) => PathBuf::from(dir).join("qwen3"),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen3"),
+    }
+}
+
 fn scratch() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -173,7 +188,7 @@ fn tokenizer_json(data: &[u8]) {
 thread_local! {
     /// A real vocabulary (the Qwen3 fixture's) that each input's chat template is set on.
     static TEMPLATE_HOST: std::cell::RefCell<Tokenizer> = std::cell::RefCell::new({
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen3");
+        let dir = qwen3_fixture();
         Tokenizer::from_hf_dir(&dir).unwrap_or_else(|e| panic!("the fuzz targets need {}: {e}", dir.display()))
     });
 }
@@ -235,7 +250,7 @@ const ROUTES: [(&str, &str); 12] = [
 fn server() -> &'static sluice_server::InProcess {
     static SERVER: OnceLock<sluice_server::InProcess> = OnceLock::new();
     SERVER.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen3");
+        let dir = qwen3_fixture();
         let mut model = sluice_engine::Model::open(&dir).expect("the Qwen3 fixture loads");
         model.max_context = model.max_context.min(256);
         let tok = Tokenizer::from_hf_dir(&dir).expect("the Qwen3 fixture's tokenizer loads");

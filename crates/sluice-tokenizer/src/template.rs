@@ -8,6 +8,10 @@
 //! here mirrors that; the Python string, dict and list methods that templates call come
 //! from minijinja-contrib's pycompat layer.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{AutoEscape, Environment, ErrorKind, UndefinedBehavior, Value};
 use sluice_core::{Error, Result};
@@ -26,7 +30,10 @@ pub(crate) struct ChatTemplate {
     /// The compiled template, or why it failed to compile. A broken template must not stop
     /// a model from loading (plain prompts do not need it), so the error waits for the
     /// first render.
-    env: std::result::Result<Environment<'static>, String>,
+    env: std::result::Result<Arc<Environment<'static>>, String>,
+    /// Set once a render ran past [`TEMPLATE_TIME`]: every later render fails at once
+    /// (the stuck one cannot be stopped, so no second one is started).
+    stuck: AtomicBool,
     /// `bos_token`, `eos_token` and the other `*_token` strings of the tokenizer config,
     /// passed to every render as HF passes `special_tokens_map`.
     tokens: Vec<(String, Value)>,
@@ -37,10 +44,10 @@ impl ChatTemplate {
         let name = source.name;
         let mut env = environment();
         let env = match env.add_template_owned(name.clone(), source.text) {
-            Ok(()) => Ok(env),
+            Ok(()) => Ok(Arc::new(env)),
             Err(e) => Err(describe(&name, &e)),
         };
-        ChatTemplate { name, env, tokens }
+        ChatTemplate { name, env, tokens, stuck: AtomicBool::new(false) }
     }
 
     pub fn render(
@@ -49,8 +56,10 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let env = self.env.as_ref().map_err(|e| Error::Template(e.clone()))?;
-        let template = env.get_template(&self.name).map_err(|e| Error::Template(describe(&self.name, &e)))?;
+        let env = self.env.as_ref().map_err(|e| Error::Template(e.clone()))?.clone();
+        if self.stuck.load(Ordering::Relaxed) {
+            return Err(Error::Template(format!("{}: an earlier render did not finish; not run again", self.name)));
+        }
         // Special tokens first so that the call's own variables win, as in HF where the
         // explicit keyword arguments are spread after `special_tokens_map`. HF passes
         // `tools` and `documents` as None when there are none, which templates test with
@@ -61,10 +70,35 @@ impl ChatTemplate {
         ctx.push(("tools".into(), tools.map_or(Value::from(()), Value::from_serialize)));
         ctx.push(("documents".into(), Value::from(())));
         let ctx: Value = ctx.into_iter().collect();
-        let mut out = Bounded(Vec::new());
-        template.render_captured_to(ctx, &mut out).map_err(|e| Error::Template(describe(&self.name, &e)))?;
-        String::from_utf8(out.0)
-            .map_err(|_| Error::Template(format!("{}: the rendered prompt is not UTF-8", self.name)))
+        // Fuel bounds the template's own steps, but not the work of one step: a
+        // filter or a print over a lazily repeated sequence (`[] * 10**12`) iterates
+        // inside minijinja without spending any. So the render runs on a thread of its
+        // own and is given up after TEMPLATE_TIME.
+        let name = self.name.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let render = move || {
+            let template = env.get_template(&name).map_err(|e| Error::Template(describe(&name, &e)))?;
+            let mut out = Bounded(Vec::new());
+            template.render_captured_to(ctx, &mut out).map_err(|e| Error::Template(describe(&name, &e)))?;
+            String::from_utf8(out.0).map_err(|_| Error::Template(format!("{name}: the rendered prompt is not UTF-8")))
+        };
+        std::thread::Builder::new()
+            .name("chat-template".into())
+            .spawn(move || {
+                let _ = tx.send(render());
+            })
+            .map_err(|e| Error::Template(format!("{}: cannot start its render: {e}", self.name)))?;
+        match rx.recv_timeout(TEMPLATE_TIME) {
+            Ok(rendered) => rendered,
+            Err(_) => {
+                self.stuck.store(true, Ordering::Relaxed);
+                Err(Error::Template(format!(
+                    "{}: the template did not finish rendering in {} s",
+                    self.name,
+                    TEMPLATE_TIME.as_secs()
+                )))
+            }
+        }
     }
 }
 
@@ -72,6 +106,8 @@ impl ChatTemplate {
 /// steps of minijinja's machine (2000 messages with a tool through each fixture's
 /// template take under a million; this many run in about a second) ...
 const TEMPLATE_FUEL: u64 = 20_000_000;
+/// ... and this long (fuel runs out in about a second) ...
+const TEMPLATE_TIME: Duration = Duration::from_secs(5);
 /// ... and may write this much (a prompt longer than any context already).
 const MAX_PROMPT_BYTES: usize = 64 << 20;
 

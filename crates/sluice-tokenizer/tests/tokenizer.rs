@@ -745,6 +745,18 @@ fn templates_render_on_a_bounded_budget() {
     let err = tok.apply_chat_template(&hi, true).unwrap_err().to_string();
     assert!(err.contains("huge.jinja") && err.contains("MiB"), "{err}");
 
+    // Repeating an empty sequence iterates inside minijinja without spending fuel (found
+    // by fuzzing: this one would run for hours); the render is given up on its clock,
+    // and the template is not run again.
+    let spin = "{{ ()*6*544*544*5*544 }}";
+    tok.set_chat_template("spin.jinja", spin.into());
+    let t = std::time::Instant::now();
+    let err = tok.apply_chat_template(&hi, true).unwrap_err().to_string();
+    assert!(err.contains("spin.jinja") && err.contains("did not finish"), "{err}");
+    assert!(t.elapsed().as_secs() < 20, "the render ran {:?}", t.elapsed());
+    let err = tok.apply_chat_template(&hi, true).unwrap_err().to_string();
+    assert!(err.contains("not run again"), "{err}");
+
     let tools = json!([{"type": "function", "function": {
         "name": "get_weather", "description": "Weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);

@@ -1,7 +1,7 @@
 //! The CPU backend: activations in host memory, weights used where the checkpoint
 //! put them (the mapped files or sluice's copy), kernels from `sluice-cpu`.
 
-use sluice_core::{Activation, Glu, MatRef, Precision, Result, RopeSpec};
+use sluice_core::{Activation, Glu, KvLayout, MatRef, Precision, Result, RopeSpec};
 use sluice_cpu::delta::{DeltaRows, DeltaWeights, gated_delta_net};
 use sluice_cpu::router::RouteParams;
 use sluice_cpu::{AttnParams, AttnSeq, KvCache};
@@ -267,8 +267,8 @@ impl Backend for Cpu {
         Ok(HostAct { rows, cols, data: data.to_vec() })
     }
 
-    fn kv_new(&self, kv_dim: usize, window: Option<usize>) -> Result<KvCache> {
-        Ok(KvCache::new(kv_dim, window))
+    fn kv_new(&self, layout: &KvLayout) -> Result<KvCache> {
+        KvCache::with_layout(layout)
     }
 
     fn kv_bytes(&self, kv: &KvCache) -> usize {

@@ -14,7 +14,7 @@ mod cpu;
 
 pub use cpu::{Cpu, HostAct, HostRouting};
 
-use sluice_core::{Activation, AttentionSpec, DeltaNetSpec, Error, Glu, Result, RopeSpec, RouterKind};
+use sluice_core::{Activation, AttentionSpec, DeltaNetSpec, Error, Glu, KvLayout, Result, RopeSpec, RouterKind};
 use sluice_experts::ExpertStore;
 use sluice_formats::TensorView;
 
@@ -193,7 +193,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// `[rows, cols]` from the host's `data` (row-major).
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Act>;
 
-    fn kv_new(&self, kv_dim: usize, window: Option<usize>) -> Result<Self::Kv>;
+    /// An empty KV cache; fails on a format the backend cannot store.
+    fn kv_new(&self, layout: &KvLayout) -> Result<Self::Kv>;
     fn kv_bytes(&self, kv: &Self::Kv) -> usize;
     /// A new cache holding positions `0..keep` of `kv` (a ring: the last `window` of
     /// them), or `None` when `kv` no longer holds them all.

@@ -44,7 +44,7 @@ pub fn attention_state(spec: &sluice_core::ModelSpec) -> Vec<StateSpec> {
             let a = &l.attention;
             match a.kv_source {
                 Some(source) => StateSpec::SharedKv { source },
-                None => StateSpec::Kv { kv_dim: a.kv_dim(), window: a.window },
+                None => StateSpec::Kv { kv_dim: a.kv_dim(), head_dim: a.head_dim, window: a.window },
             }
         })
         .collect()

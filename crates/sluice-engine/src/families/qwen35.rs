@@ -83,7 +83,11 @@ impl<B: Backend> Block<B> for Layer<B> {
             .iter()
             .map(|l| match l.linear {
                 Some(d) => StateSpec::Recurrent { rows: 1, cols: d.state_len() },
-                None => StateSpec::Kv { kv_dim: l.attention.kv_dim(), window: l.attention.window },
+                None => StateSpec::Kv {
+                    kv_dim: l.attention.kv_dim(),
+                    head_dim: l.attention.head_dim,
+                    window: l.attention.window,
+                },
             })
             .collect()
     }

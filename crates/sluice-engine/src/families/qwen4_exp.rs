@@ -72,8 +72,14 @@ impl<B: Backend> Network<B> for Qwen4Exp<B> {
                     rows: 1,
                     cols: d.state_len() + l.ngram.map_or(0, |n| ngram_state_len(&n, c)),
                 },
-                (None, Some(ix)) => StateSpec::IndexedKv { kv_dim: l.attention.kv_dim(), index_dim: ix.head_dim },
-                (None, None) => StateSpec::Kv { kv_dim: l.attention.kv_dim(), window: None },
+                (None, Some(ix)) => StateSpec::IndexedKv {
+                    kv_dim: l.attention.kv_dim(),
+                    head_dim: l.attention.head_dim,
+                    index_dim: ix.head_dim,
+                },
+                (None, None) => {
+                    StateSpec::Kv { kv_dim: l.attention.kv_dim(), head_dim: l.attention.head_dim, window: None }
+                }
             })
             .collect()
     }
