@@ -222,6 +222,24 @@ mod tests {
         out
     }
 
+    /// One sequence's `q`, `k`, `v` fed through `cache` in chunks of `chunk` rows, each
+    /// chunk's keys and values appended after it attends.
+    fn chunked(p: &AttnParams<'_>, (q, k, v): (&[f32], &[f32], &[f32]), mut cache: KvCache, chunk: usize) -> Vec<f32> {
+        let (qd, kd) = (p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim);
+        let n = q.len() / qd;
+        let mut got = vec![0f32; n * qd];
+        let mut s = 0;
+        while s < n {
+            let e = (s + chunk).min(n);
+            let (ks, vs) = (&k[s * kd..e * kd], &v[s * kd..e * kd]);
+            let seq = [AttnSeq { first: 0, rows: e - s, cache: &cache }];
+            attention(p, &q[s * qd..e * qd], ks, vs, &seq, &mut got[s * qd..e * qd]);
+            cache.append(ks, vs);
+            s = e;
+        }
+        got
+    }
+
     /// A cache's prefix holds what a cache fed only those positions holds, for full
     /// caches and rings; a ring that has gone past the positions gives none.
     #[test]
@@ -284,23 +302,7 @@ mod tests {
             let p = AttnParams { window, ..p };
             let want = naive(&p, &q, &k, &v, 0, n);
             for chunk in [n, 4, 1] {
-                let mut cache = KvCache::new(kd, window);
-                let mut got = vec![0f32; n * qd];
-                let mut s = 0;
-                while s < n {
-                    let e = (s + chunk).min(n);
-                    let seq = [AttnSeq { first: 0, rows: e - s, cache: &cache }];
-                    attention(
-                        &p,
-                        &q[s * qd..e * qd],
-                        &k[s * kd..e * kd],
-                        &v[s * kd..e * kd],
-                        &seq,
-                        &mut got[s * qd..e * qd],
-                    );
-                    cache.append(&k[s * kd..e * kd], &v[s * kd..e * kd]);
-                    s = e;
-                }
+                let got = chunked(&p, (&q, &k, &v), KvCache::new(kd, window), chunk);
                 for (a, b) in got.iter().zip(&want) {
                     assert!((a - b).abs() < 1e-5, "window {window:?} chunk {chunk}: {a} vs {b}");
                 }
@@ -390,24 +392,7 @@ mod tests {
             let layout = KvLayout { kv_dim: kd, head_dim: 32, window: None, format, seed: 7 };
             let mut runs = Vec::new();
             for chunk in [n, 5, 1] {
-                let mut cache = KvCache::with_layout(&layout).unwrap();
-                let mut got = vec![0f32; n * qd];
-                let mut s = 0;
-                while s < n {
-                    let e = (s + chunk).min(n);
-                    let seq = [AttnSeq { first: 0, rows: e - s, cache: &cache }];
-                    attention(
-                        &p,
-                        &q[s * qd..e * qd],
-                        &k[s * kd..e * kd],
-                        &v[s * kd..e * kd],
-                        &seq,
-                        &mut got[s * qd..e * qd],
-                    );
-                    cache.append(&k[s * kd..e * kd], &v[s * kd..e * kd]);
-                    s = e;
-                }
-                runs.push(got);
+                runs.push(chunked(&p, (&q, &k, &v), KvCache::with_layout(&layout).unwrap(), chunk));
             }
             assert!(runs[1] == runs[0] && runs[2] == runs[0], "{format:?}: chunking changed the result");
             // Relative RMS error against f32 attention.
