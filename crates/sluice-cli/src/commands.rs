@@ -11,7 +11,8 @@ use sluice_core::{Error, Precision, Result};
 use sluice_engine::plan::{self, Placement, Request, WeightsPlace};
 use sluice_engine::stats::{PhaseMs, peak_rss_bytes, storage_read_bytes};
 use sluice_engine::{
-    Backend, Chunk, Cpu, LoadOptions, Logits, Model, PilotStats, Prefetch, Sampler, SamplerConfig, StepStats,
+    Backend, Chunk, Cpu, LoadOptions, Logits, Model, PerplexityOptions, PilotStats, Prefetch, Sampler, SamplerConfig,
+    StepStats, WindowDone,
 };
 use sluice_experts::{CacheBudget, ExpertLayout, Policy, Residency, RoutingHistogram, StoreConfig, human_bytes};
 use sluice_formats::Checkpoint;
@@ -110,6 +111,25 @@ pub struct BenchArgs {
     /// Skip measuring memory bandwidth (the resident-decode roofline)
     #[arg(long)]
     no_roofline: bool,
+}
+
+#[derive(Args)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Text file to score, tokenized with the model's tokenizer (no chat template)
+    #[arg(long, short = 'f', value_name = "FILE")]
+    file: PathBuf,
+    /// Tokens per window (llama-perplexity's -c): each window runs from an empty state,
+    /// BOS first when the tokenizer adds one, and its second half is scored
+    #[arg(long, short = 'c', value_name = "N", default_value_t = 512)]
+    context: usize,
+    /// Most windows to evaluate (default: every whole window of the text)
+    #[arg(long, value_name = "K")]
+    chunks: Option<usize>,
+    /// Print one JSON object instead of text
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -665,6 +685,86 @@ fn logits_on<B: Backend>(a: &LogitsArgs, seqs: &[Vec<u32>], model: Model<B>) -> 
     let tmp = a.out.with_extension("partial");
     std::fs::write(&tmp, &bytes).map_err(|e| Error::io(&tmp, e))?;
     std::fs::rename(&tmp, &a.out).map_err(|e| Error::io(&a.out, e))?;
+    Ok(())
+}
+
+pub fn perplexity(a: PerplexityArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&a.file).map_err(|e| Error::io(&a.file, e))?;
+    init_threads(a.engine.threads)?;
+    let tok = load_tokenizer(&a.engine.model)?;
+    let tokens = tok.encode(&text, true)?;
+    // The tokenizer adds BOS if the text's encoding starts with it; llama-perplexity
+    // then starts every window with it.
+    let bos = tok.bos_id().filter(|b| tokens.first() == Some(b));
+    let opts = PerplexityOptions { context: a.context, chunks: a.chunks, bos, ..Default::default() };
+    // What can be refused before the model loads.
+    opts.check(tokens.len())?;
+    with_backend!(&a.engine, |loaded| perplexity_on(&a, &tokens, &opts, loaded.model))
+}
+
+fn perplexity_on<B: Backend>(
+    a: &PerplexityArgs,
+    tokens: &[u32],
+    opts: &PerplexityOptions,
+    model: Model<B>,
+) -> Result<()> {
+    let windows = opts.windows(tokens.len());
+    let terminal = std::io::stderr().is_terminal();
+    let bar = if terminal {
+        let b = indicatif::ProgressBar::new(windows as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("perplexity {bar:40} {pos}/{len} windows, {msg} {eta}")
+                .expect("a valid template"),
+        );
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mut progress = |p: &WindowDone| {
+        bar.set_position(p.done as u64);
+        bar.set_message(format!("PPL {:.4}", p.ppl));
+        // Elsewhere (a log) a line per window, as llama-perplexity prints them.
+        if !terminal {
+            eprintln!("[{}/{}] PPL {:.4}", p.done, p.windows, p.ppl);
+        }
+    };
+    let r = sluice_engine::perplexity(&model, tokens, opts, &mut progress)?;
+    bar.finish_and_clear();
+    record_routing(&a.engine, &model)?;
+    let tok_s = r.tokens_evaluated as f64 / r.seconds;
+    if a.json {
+        let j = json!({
+            "model": a.engine.model,
+            "file": a.file,
+            "backend": model.be.name(),
+            "context": r.context,
+            "windows": r.windows,
+            "tokens": tokens.len(),
+            "tokens_scored": r.tokens_scored,
+            "ppl": r.ppl,
+            "ppl_stderr": r.ppl_stderr,
+            "mean_nll": r.mean_nll,
+            "kv_bits": model.kv_format.bits(),
+            "seconds": r.seconds,
+            "tok_s": tok_s,
+        });
+        println!("{j}");
+    } else {
+        println!(
+            "{}: {} windows of {} tokens ({} in the text), {} tokens scored, {:.1} tok/s ({:.1} s)",
+            a.engine.model.display(),
+            r.windows,
+            r.context,
+            tokens.len(),
+            r.tokens_scored,
+            tok_s,
+            r.seconds
+        );
+        match r.ppl_stderr {
+            Some(e) => println!("PPL = {:.4} +/- {:.5}", r.ppl, e),
+            None => println!("PPL = {:.4}", r.ppl),
+        }
+    }
     Ok(())
 }
 

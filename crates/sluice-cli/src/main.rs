@@ -31,6 +31,9 @@ enum Command {
     Tokenize(commands::TokenizeArgs),
     /// Measure prompt processing and decode speed
     Bench(commands::BenchArgs),
+    /// Perplexity over a text file, as llama.cpp's llama-perplexity measures it: windows
+    /// of --context tokens, each from an empty state, their second halves scored
+    Perplexity(commands::PerplexityArgs),
     /// Describe a model: architecture, tensors, quant types, resident and expert bytes
     Inspect(commands::InspectArgs),
     /// Where each part of a model would live (memory, mapped, streamed, cache size) and
@@ -181,6 +184,7 @@ fn main() -> ExitCode {
         Command::Logits(a) => commands::logits(a),
         Command::Tokenize(a) => commands::tokenize(a),
         Command::Bench(a) => commands::bench(a),
+        Command::Perplexity(a) => commands::perplexity(a),
         Command::Inspect(a) => commands::inspect(a),
         Command::Plan(a) => commands::plan(a),
         Command::Serve(a) => commands::serve(a),

@@ -7,9 +7,9 @@
 
 use rayon::prelude::*;
 
-use crate::dot::{dot_f32, dot_f32_rows, weighted_sum};
+use crate::dot::{dot_f32_rows, weighted_sum};
 pub use crate::kv::KvCache;
-use crate::ops::{softmax, softmax_with_sink};
+use crate::ops::{exp_fast, softcap};
 
 #[derive(Clone, Copy, Debug)]
 pub struct AttnParams<'a> {
@@ -41,50 +41,81 @@ pub struct AttnSeq<'a> {
 /// Causal attention for a batch of sequences, each over its own cache and its own
 /// new rows. `q` is `[n, n_heads * head_dim]`, `k_new` and `v_new` `[n, kv_dim]`,
 /// the sequences' rows one after another as `seqs` says; writes `out`, shaped like
-/// `q`. One task computes some of one row's query heads that share a KV head (each
-/// key and value read once for them), whole and in a fixed order, so a sequence's result
-/// does not depend on the others in the batch or the thread count.
+/// `q`.
+///
+/// One task takes a block of one sequence's rows and some of the query heads that share
+/// a KV head, and walks the positions in tiles of [`TILE`] (aligned to multiples of
+/// [`TILE`]), each tile's keys and values read (or decoded) once for every query of the
+/// task, with an online softmax. Each query sums its own tiles in the same order
+/// whatever else the task holds, so a row's result does not depend on the rows it is
+/// computed with, the chunk it came in, the other sequences of the batch or the thread
+/// count.
 pub fn attention(p: &AttnParams<'_>, q: &[f32], k_new: &[f32], v_new: &[f32], seqs: &[AttnSeq<'_>], out: &mut [f32]) {
     let hd = p.head_dim;
     let q_dim = p.n_heads * hd;
     let n = q.len() / q_dim;
-    let mut row_seq = Vec::with_capacity(n);
-    for (si, s) in seqs.iter().enumerate() {
-        assert_eq!(s.first, row_seq.len(), "attention: sequences must cover the rows in order");
-        row_seq.extend(std::iter::repeat_n(si as u32, s.rows));
+    let mut covered = 0;
+    for s in seqs {
+        assert_eq!(s.first, covered, "attention: sequences must cover the rows in order");
+        covered += s.rows;
     }
-    assert_eq!(row_seq.len(), n, "attention: the sequences cover {} rows of {n}", row_seq.len());
+    assert_eq!(covered, n, "attention: the sequences cover {covered} rows of {n}");
     let group = p.n_heads / p.n_kv_heads;
     let total: usize = seqs.iter().map(|s| s.rows * p.n_heads * (s.cache.len() + s.rows) * hd).sum();
     let parallel = total >= 1 << 14;
-    // Query heads per task: a KV head's whole group shares each key and value read,
-    // but one decode row then has as few tasks as KV heads (one on Gemma 3), so the
-    // group is split until every thread has work. A head's result does not depend on
-    // the heads it is computed with.
+    // Query heads per task: a KV head's whole group shares each tile, but one decode
+    // row then has as few tasks as KV heads (one on Gemma 3), so the group is split
+    // until every thread has work.
     let threads = if parallel { rayon::current_num_threads() } else { 1 };
-    let heads = (1..=group).rev().find(|&d| group.is_multiple_of(d) && n * (p.n_heads / d) >= 2 * threads).unwrap_or(1);
+    let blocks: usize = seqs.iter().map(|s| s.rows.div_ceil(ROWS)).sum();
+    let heads =
+        (1..=group).rev().find(|&d| group.is_multiple_of(d) && blocks * (p.n_heads / d) >= 2 * threads).unwrap_or(1);
     // A coded cache's sequences code their new rows in the same format first, so that
     // a chunk reads its own keys and values as every later step will (a prompt gives the
     // same result however it is cut into chunks).
+    let kd = p.n_kv_heads * hd;
     let coded: Vec<KvCache> = seqs
         .iter()
         .filter(|s| s.cache.codec().is_some())
         .map(|s| {
-            let kd = p.n_kv_heads * hd;
             let mut c = s.cache.empty_like();
             c.append(&k_new[s.first * kd..(s.first + s.rows) * kd], &v_new[s.first * kd..(s.first + s.rows) * kd]);
             c
         })
         .collect();
     assert!(coded.is_empty() || coded.len() == seqs.len(), "attention: one call's caches share their format");
-    let job = Job { p, q, k_new, v_new, seqs, coded: &coded, row_seq: &row_seq, heads };
-    let tasks_per_row = p.n_heads / heads;
-    let task = |(idx, o): (usize, &mut [f32])| job.run(idx / tasks_per_row, (idx % tasks_per_row) * heads, o);
-    if parallel {
-        out.par_chunks_mut(heads * hd).enumerate().for_each(task);
-    } else {
-        out.chunks_mut(heads * hd).enumerate().for_each(task);
+    let mut tasks = Vec::new();
+    for (si, s) in seqs.iter().enumerate() {
+        for r0 in (0..s.rows).step_by(ROWS) {
+            for h0 in (0..p.n_heads).step_by(heads) {
+                tasks.push(Task { seq: si, rows: r0..(r0 + ROWS).min(s.rows), h0 });
+            }
+        }
     }
+    let job = Job { p, q, k_new, v_new, seqs, coded: &coded, heads };
+    let results: Vec<Vec<f32>> = if parallel {
+        tasks.par_iter().map(|t| job.run(t)).collect()
+    } else {
+        tasks.iter().map(|t| job.run(t)).collect()
+    };
+    for (t, r) in tasks.iter().zip(results) {
+        for (i, row) in t.rows.clone().enumerate() {
+            let at = (seqs[t.seq].first + row) * q_dim + t.h0 * hd;
+            out[at..at + heads * hd].copy_from_slice(&r[i * heads * hd..(i + 1) * heads * hd]);
+        }
+    }
+}
+
+/// Positions per tile: a tile's keys and values (f32) stay in the first-level cache.
+const TILE: usize = 32;
+/// Rows per task: each tile is read once for this many rows' queries.
+const ROWS: usize = 16;
+
+/// Rows `rows` (of the sequence's new rows) of sequence `seq`, query heads `h0..`.
+struct Task {
+    seq: usize,
+    rows: std::ops::Range<usize>,
+    h0: usize,
 }
 
 /// What every task of one attention call reads.
@@ -96,109 +127,172 @@ struct Job<'a> {
     seqs: &'a [AttnSeq<'a>],
     /// Per sequence, its new rows coded as its cache codes them (none for f32 caches).
     coded: &'a [KvCache],
-    row_seq: &'a [u32],
     /// Query heads per task, all of one KV head's group.
     heads: usize,
 }
 
+/// One query's running softmax: the largest score so far, the sum of the weights
+/// relative to it, and the weighted sum of values.
+struct Online {
+    max: f32,
+    sum: f32,
+    acc: Vec<f32>,
+}
+
 impl Job<'_> {
-    /// Row `row`'s query heads `h0..h0 + self.heads` into `out` (`heads * head_dim`).
-    fn run(&self, row: usize, h0: usize, out: &mut [f32]) {
+    /// The task's rows and heads, `[rows, heads, head_dim]`.
+    fn run(&self, t: &Task) -> Vec<f32> {
         let p = self.p;
         let hd = p.head_dim;
-        let (kv_dim, q_dim) = (p.n_kv_heads * hd, p.n_heads * hd);
-        let heads = self.heads;
-        let kvh = h0 / (p.n_heads / p.n_kv_heads);
-        let si = self.row_seq[row] as usize;
-        let s = &self.seqs[si];
+        let q_dim = p.n_heads * hd;
+        let kvh = t.h0 / (p.n_heads / p.n_kv_heads);
+        let s = &self.seqs[t.seq];
         let (cache, start) = (s.cache, s.cache.len());
-        let pos = start + row - s.first;
-        let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        assert!(lo >= cache.first(), "attention: position {lo} is no longer in the cache");
-        let qs = &self.q[row * q_dim + h0 * hd..row * q_dim + (h0 + heads) * hd];
-        // The positions the row attends to: a window's, or the ones chosen for it.
-        let chosen = p.select.map(|sel| sel[row].as_slice());
-        if let Some(c) = chosen {
-            assert!(
-                c.iter().all(|&j| j as usize <= pos && j as usize >= lo),
-                "attention: a chosen position is not visible"
-            );
+        let codec = cache.codec();
+        // The queries, row-major then head; rotated into a TurboQuant cache's basis.
+        let mut qs = Vec::with_capacity(t.rows.len() * self.heads * hd);
+        for row in t.rows.clone() {
+            let at = (s.first + row) * q_dim + t.h0 * hd;
+            qs.extend_from_slice(&self.q[at..at + self.heads * hd]);
         }
-        let at = |t: usize| chosen.map_or(lo + t, |c| c[t] as usize);
-        let len = chosen.map_or(pos + 1 - lo, <[u32]>::len);
-        // Scores of every head of the task, head-major (the keys stay in cache from
-        // one head to the next).
-        let mut sc = vec![0f32; heads * len];
-        if let Some(codec) = cache.codec() {
-            // A coded cache: each key and value decoded once into a row of the head, for
-            // every query head of the task; TurboQuant's rows are rotated, so the
-            // queries are rotated once and the sum of values rotated back once.
-            let chunk = &self.coded[si];
-            let load = |j: usize, buf: &mut [f32], value: bool| {
-                let (c, j) = if j < start { (cache, j) } else { (chunk, j - start) };
-                if value { c.value_into(j, kvh, buf) } else { c.key_into(j, kvh, buf) }
+        if let Some(c) = codec.filter(|c| c.rotates()) {
+            qs.chunks_mut(hd).for_each(|q| c.rotate(kvh, q));
+        }
+        let mut state: Vec<Online> =
+            (0..qs.len() / hd).map(|_| Online { max: f32::NEG_INFINITY, sum: 0.0, acc: vec![0.0; hd] }).collect();
+        let (mut kt, mut vt) = (vec![0f32; TILE * hd], vec![0f32; TILE * hd]);
+        let mut scratch = Scratch { scores: vec![0f32; TILE], sum: vec![0f32; hd] };
+        // The window each row sees: `lo..=pos`.
+        let seen = |row: usize| {
+            let pos = start + row;
+            let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            assert!(lo >= cache.first(), "attention: position {lo} is no longer in the cache");
+            (lo, pos)
+        };
+        match p.select {
+            None => {
+                let lo = seen(t.rows.start).0;
+                let hi = seen(t.rows.end - 1).1;
+                let mut a = lo / TILE * TILE;
+                while a <= hi {
+                    let b = (a + TILE).min(hi + 1);
+                    let from = a.max(lo);
+                    self.gather(t.seq, kvh, from..b, &mut kt, &mut vt);
+                    for (i, row) in t.rows.clone().enumerate() {
+                        let (rlo, pos) = seen(row);
+                        let (x0, x1) = (from.max(rlo), b.min(pos + 1));
+                        if x0 >= x1 {
+                            continue;
+                        }
+                        let (k, v) = (&kt[(x0 - from) * hd..(x1 - from) * hd], &vt[(x0 - from) * hd..(x1 - from) * hd]);
+                        for j in 0..self.heads {
+                            let qi = i * self.heads + j;
+                            self.tile(&qs[qi * hd..(qi + 1) * hd], k, v, &mut state[qi], &mut scratch);
+                        }
+                    }
+                    a += TILE;
+                }
+            }
+            Some(select) => {
+                // Each row its own positions, in tiles of its list.
+                for (i, row) in t.rows.clone().enumerate() {
+                    let (lo, pos) = seen(row);
+                    let chosen = &select[s.first + row];
+                    assert!(
+                        chosen.iter().all(|&j| j as usize <= pos && j as usize >= lo),
+                        "attention: a chosen position is not visible"
+                    );
+                    for c in chosen.chunks(TILE) {
+                        let m = c.len();
+                        self.gather(t.seq, kvh, c.iter().map(|&j| j as usize), &mut kt, &mut vt);
+                        for j in 0..self.heads {
+                            let qi = i * self.heads + j;
+                            let q = &qs[qi * hd..(qi + 1) * hd];
+                            self.tile(q, &kt[..m * hd], &vt[..m * hd], &mut state[qi], &mut scratch);
+                        }
+                    }
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(qs.len());
+        for (qi, st) in state.iter_mut().enumerate() {
+            let head = t.h0 + qi % self.heads;
+            let sum = match p.sinks {
+                Some(sinks) => st.sum + exp_fast(sinks[head] - st.max),
+                None => st.sum,
             };
-            let mut qr = qs.to_vec();
-            if codec.rotates() {
-                qr.chunks_mut(hd).for_each(|q| codec.rotate(kvh, q));
+            let inv = 1.0 / sum;
+            st.acc.iter_mut().for_each(|a| *a *= inv);
+            if let Some(c) = codec.filter(|c| c.rotates()) {
+                c.unrotate(kvh, &mut st.acc);
             }
-            let mut buf = vec![0f32; hd];
-            for t in 0..len {
-                load(at(t), &mut buf, false);
-                for (j, qh) in qr.chunks(hd).enumerate() {
-                    sc[j * len + t] = dot_f32(qh, &buf);
-                }
-            }
-            sc.chunks_mut(len).enumerate().for_each(|(j, w)| self.weights(w, h0 + j));
-            out.fill(0.0);
-            for t in 0..len {
-                load(at(t), &mut buf, true);
-                for (o, w) in out.chunks_mut(hd).zip(sc.chunks(len)) {
-                    let w = w[t];
-                    o.iter_mut().zip(&buf).for_each(|(o, v)| *o += w * v);
-                }
-            }
-            if codec.rotates() {
-                out.chunks_mut(hd).for_each(|o| codec.unrotate(kvh, o));
-            }
-            return;
+            out.extend_from_slice(&st.acc);
         }
-        let kh = kvh * hd;
-        // Position j of this sequence: in its cache, or one of its new rows.
-        let new_row = |j: usize| (s.first + j - start) * kv_dim + kh;
-        let key = |j: usize| -> &[f32] {
-            if j < start { &cache.key(j)[kh..kh + hd] } else { &self.k_new[new_row(j)..new_row(j) + hd] }
-        };
-        let value = |j: usize| -> &[f32] {
-            if j < start { &cache.value(j)[kh..kh + hd] } else { &self.v_new[new_row(j)..new_row(j) + hd] }
-        };
-        for (j, (qh, w)) in qs.chunks(hd).zip(sc.chunks_mut(len)).enumerate() {
-            dot_f32_rows(qh, |t| key(at(t)), w);
-            self.weights(w, h0 + j);
-        }
-        for (o, w) in out.chunks_mut(hd).zip(sc.chunks(len)) {
-            weighted_sum(o, w, |t| value(at(t)));
+        out
+    }
+
+    /// The keys and values of KV head `kvh` at `positions` (at most [`TILE`]) into
+    /// `k` and `v`, one `head_dim` row each, decoded from a coded cache.
+    fn gather(&self, seq: usize, kvh: usize, positions: impl Iterator<Item = usize>, k: &mut [f32], v: &mut [f32]) {
+        let hd = self.p.head_dim;
+        let kv_dim = self.p.n_kv_heads * hd;
+        let s = &self.seqs[seq];
+        let (cache, start) = (s.cache, s.cache.len());
+        for (t, j) in positions.enumerate() {
+            let (kr, vr) = (&mut k[t * hd..(t + 1) * hd], &mut v[t * hd..(t + 1) * hd]);
+            if cache.codec().is_some() {
+                let (c, j) = if j < start { (cache, j) } else { (&self.coded[seq], j - start) };
+                c.key_into(j, kvh, kr);
+                c.value_into(j, kvh, vr);
+            } else if j < start {
+                kr.copy_from_slice(&cache.key(j)[kvh * hd..(kvh + 1) * hd]);
+                vr.copy_from_slice(&cache.value(j)[kvh * hd..(kvh + 1) * hd]);
+            } else {
+                let at = (s.first + j - start) * kv_dim + kvh * hd;
+                kr.copy_from_slice(&self.k_new[at..at + hd]);
+                vr.copy_from_slice(&self.v_new[at..at + hd]);
+            }
         }
     }
 
-    /// Query head `head`'s raw scores into attention weights: scaled, soft-capped,
-    /// softmax (with the head's sink).
-    fn weights(&self, w: &mut [f32], head: usize) {
+    /// One query against one tile's keys `k` and values `v` (`head_dim` rows): scaled,
+    /// soft-capped scores folded into the query's running softmax.
+    fn tile(&self, q: &[f32], k: &[f32], v: &[f32], st: &mut Online, x: &mut Scratch) {
         let p = self.p;
+        let hd = p.head_dim;
+        let w = &mut x.scores[..k.len() / hd];
+        dot_f32_rows(q, |t| &k[t * hd..(t + 1) * hd], w);
         w.iter_mut().for_each(|x| *x *= p.scale);
         if let Some(cap) = p.softcap {
-            w.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
+            softcap(w, cap);
         }
-        match p.sinks {
-            Some(s) => softmax_with_sink(w, s[head]),
-            None => softmax(w),
+        let max = w.iter().copied().fold(st.max, f32::max);
+        if max > st.max {
+            // Earlier weights were relative to a smaller maximum.
+            let shrink = exp_fast(st.max - max);
+            st.sum *= shrink;
+            st.acc.iter_mut().for_each(|a| *a *= shrink);
+            st.max = max;
         }
+        for x in w.iter_mut() {
+            *x = exp_fast(*x - max);
+        }
+        st.sum += w.iter().sum::<f32>();
+        weighted_sum(&mut x.sum, w, |t| &v[t * hd..(t + 1) * hd]);
+        st.acc.iter_mut().zip(&x.sum).for_each(|(a, s)| *a += s);
     }
+}
+
+/// A task's buffers for one query's tile.
+struct Scratch {
+    scores: Vec<f32>,
+    sum: Vec<f32>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::softmax;
 
     fn naive(p: &AttnParams<'_>, q: &[f32], k: &[f32], v: &[f32], pos0: usize, n: usize) -> Vec<f32> {
         let (hd, qd, kd) = (p.head_dim, p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim);

@@ -43,6 +43,18 @@ pub fn weighted_sum<'a>(out: &mut [f32], w: &[f32], row: impl Fn(usize) -> &'a [
     }
 }
 
+/// Converts `out.len()` little-endian f16s to f32: an f16 KV cache's rows, read
+/// position by position, where a call per element (or a library's per-call dispatch)
+/// cost more than the attention that reads them.
+pub fn f16_to_f32(src: &[u8], out: &mut [f32]) {
+    assert!(src.len() >= 2 * out.len(), "f16_to_f32: {} bytes for {} values", src.len(), out.len());
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { x86::f16_to_f32_avx2(src, out) },
+        _ => out.iter_mut().enumerate().for_each(|(i, o)| *o = load(DType::F16, src, i)),
+    }
+}
+
 /// Dot product of one stored row (`x.len()` elements of `dtype`) with `x`.
 pub fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     let n = x.len();
@@ -123,6 +135,21 @@ mod x86 {
                     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
                 }
             }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn f16_to_f32_avx2(src: &[u8], out: &mut [f32]) {
+        let n = out.len();
+        let mut i = 0;
+        unsafe {
+            while i + 8 <= n {
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), load8(DType::F16, src.as_ptr().add(2 * i)));
+                i += 8;
+            }
+        }
+        for (j, o) in out.iter_mut().enumerate().skip(i) {
+            *o = load(DType::F16, src, j);
         }
     }
 

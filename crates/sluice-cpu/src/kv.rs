@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use sluice_core::{Error, KvFormat, KvLayout, Result};
 
 /// One layer's keys and values, `kv_dim` floats per position. Full-attention layers
@@ -311,11 +312,14 @@ impl Codec {
         for (h, (x, out)) in x.chunks(self.head_dim).zip(out.chunks_mut(self.head_bytes)).enumerate() {
             match self.format {
                 KvFormat::F32 => unreachable!(),
-                KvFormat::F16 => {
-                    for (x, o) in x.iter().zip(out.chunks_mut(2)) {
-                        o.copy_from_slice(&f16::from_f32(*x).to_le_bytes());
+                KvFormat::F16 => match unsafe { out.align_to_mut::<f16>() } {
+                    ([], halves, []) if cfg!(target_endian = "little") => halves.convert_from_f32_slice(x),
+                    _ => {
+                        for (x, o) in x.iter().zip(out.chunks_mut(2)) {
+                            o.copy_from_slice(&f16::from_f32(*x).to_le_bytes());
+                        }
                     }
-                }
+                },
                 KvFormat::Q8 => {
                     let max = x.iter().fold(0f32, |m, x| m.max(x.abs()));
                     let scale = max / 127.0;
@@ -339,14 +343,20 @@ impl Codec {
         let norms: Vec<f32> = x.chunks(b).map(|c| c.iter().map(|v| v * v).sum::<f32>().sqrt()).collect();
         self.rotate(head, x);
         for ((c, o), norm) in x.chunks(b).zip(out.chunks_mut(per_block)).zip(norms) {
-            let n16 = f16::from_f32(norm.min(f16::MAX.to_f32()));
-            o[..2].copy_from_slice(&n16.to_le_bytes());
-            let inv = if n16.to_f32() > 0.0 { 1.0 / n16.to_f32() } else { 0.0 };
+            let inv = if norm > 0.0 { 1.0 / norm } else { 0.0 };
             let mut bits = BitWriter::new(&mut o[2..]);
+            // The codes' own norm: the stored scale brings the decoded block back to the
+            // norm of the input (the centroids alone shrink it by the distortion, which
+            // would scale every score down by as much).
+            let mut coded = 0f32;
             for (i, v) in c.iter().enumerate() {
                 let book = &self.books[usize::from(i >= b / 2)];
-                bits.put(book.code(v * inv), book.bits);
+                let code = book.code(v * inv);
+                coded += book.centroids[code as usize] * book.centroids[code as usize];
+                bits.put(code, book.bits);
             }
+            let scale = if coded > 0.0 { norm / coded.sqrt() } else { 0.0 };
+            o[..2].copy_from_slice(&f16::from_f32(scale.min(f16::MAX.to_f32())).to_le_bytes());
         }
     }
 
@@ -354,11 +364,7 @@ impl Codec {
     pub fn decode(&self, bytes: &[u8], out: &mut [f32]) {
         match self.format {
             KvFormat::F32 => unreachable!(),
-            KvFormat::F16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                }
-            }
+            KvFormat::F16 => crate::dot::f16_to_f32(bytes, out),
             KvFormat::Q8 => {
                 let scale = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
                 for (o, &c) in out.iter_mut().zip(&bytes[4..]) {

@@ -10,6 +10,7 @@ pub mod memory;
 pub mod mla;
 pub mod model;
 pub mod moe;
+pub mod perplexity;
 pub mod pilot;
 pub mod plan;
 pub mod sampler;
@@ -17,7 +18,8 @@ pub mod state;
 pub mod stats;
 
 pub use backend::{Backend, Cpu};
-pub use model::{Chunk, GenerationStats, LoadOptions, Logits, Model, Prefetch, Session, StepStats};
+pub use model::{Chunk, GenerationStats, LoadOptions, Logits, Model, Prefetch, Session, StepStats, default_kv_format};
+pub use perplexity::{Perplexity, PerplexityOptions, WindowDone, perplexity};
 pub use pilot::PilotStats;
 pub use sampler::{Sampler, SamplerConfig};
 pub use state::{SeqState, StateSpec};

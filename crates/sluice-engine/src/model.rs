@@ -175,9 +175,7 @@ impl<B: Backend> Model<B> {
             max_context: ckpt.spec.max_context,
             prefetch: if ckpt.spec.is_moe() { opts.prefetch } else { Prefetch::Off },
             precision: opts.precision,
-            // f32 until the 16-bit default has been measured on every test's reference
-            // (default_kv_format holds the rule it will follow).
-            kv_format: opts.kv.unwrap_or(KvFormat::F32),
+            kv_format: opts.kv.unwrap_or_else(|| default_kv_format(&be, ckpt)),
             bytes_per_token: decode_bytes_per_token(ckpt, &store),
             state: net.state(),
             store,

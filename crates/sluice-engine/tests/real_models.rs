@@ -3,13 +3,15 @@
 //! (scripts/make_real_reference.py): mean KL(reference || sluice) <= 0.02 and top-1
 //! agreement >= 90% over every position of a real sentence, in both logits modes
 //! (by default prefill is computed with 8-bit activations and decode with 16), and
-//! with accurate precision throughout, a KL at least four times smaller than fast's.
+//! with accurate precision throughout (and an f32 KV cache), a KL at least four times
+//! smaller than fast's; TurboQuant KV caches at 4 and 3.5 bits within looser bounds
+//! (see `check`).
 //! A model that is not fetched fails in CI (which fetches them all) and is skipped
 //! elsewhere with a message saying how to get it.
 
 use std::path::Path;
 
-use sluice_core::Precision;
+use sluice_core::{KvFormat, Precision};
 use sluice_engine::{Logits, Model};
 
 struct Reference {
@@ -71,7 +73,7 @@ fn compare(logits: &[f32], r: &Reference) -> (f64, f64) {
     (kl_sum / n, agree as f64 / n)
 }
 
-fn check(name: &str, file: &str) {
+fn check(name: &str, file: &str, turbo: Turbo) {
     let Some(path) = sluice_core::testing::real_model(file, name) else { return };
     let r = reference(name);
     let mut model = Model::open(&path).unwrap();
@@ -82,31 +84,76 @@ fn check(name: &str, file: &str) {
     for &t in &r.tokens {
         decode.extend(s.forward(&[t], Logits::All).unwrap());
     }
+    // `--kv-bits 16` is the default on a quantized model, bit for bit.
+    assert_eq!(model.kv_format, KvFormat::F16, "{name}: the default KV cache");
+    model.kv_format = KvFormat::F16;
+    assert_eq!(model.session().unwrap().forward(&r.tokens, Logits::All).unwrap(), prefill, "{name}: --kv-bits 16");
+    // Accurate precision with an f32 cache leaves only arithmetic.
     model.precision = Some(Precision::Accurate);
+    model.kv_format = KvFormat::F32;
     let accurate = model.session().unwrap().forward(&r.tokens, Logits::All).unwrap();
     let mut kls = Vec::new();
     for (mode, logits) in [("prefill", &prefill), ("decode", &decode), ("accurate prefill", &accurate)] {
-        let (kl, top1) = compare(logits, &r);
-        eprintln!("{name} {mode}: mean KL {kl:.2e}, top-1 agreement {:.1}%", 100.0 * top1);
-        assert!(kl <= 0.02, "{name} {mode}: mean KL {kl} > 0.02");
-        assert!(top1 >= 0.9, "{name} {mode}: top-1 agreement {top1} < 0.9");
-        kls.push(kl);
+        kls.push(assert_close(name, mode, logits, &r));
     }
     // What is left is the reference's own f32 arithmetic and ours summing differently.
     assert!(kls[2] * 4.0 <= kls[0], "{name}: accurate KL {} is not well below fast's {}", kls[2], kls[0]);
+    // TurboQuant caches (full-attention layers at the width, sliding ones at 16 bits),
+    // both modes at the default precision. Measured on this sentence, KL (top-1):
+    // SmolLM2 0.034-0.045 (97.6%) at 4 bits and 0.055 (90.5%) at 3.5; gemma-3-270m
+    // 0.018-0.020 (97.7%) and 0.066 (90.7%); decoding at 3.5 bits SmolLM2 0.103 (76.2%),
+    // gemma 0.069 (90.7%). The KL <= 0.02 is not met yet;
+    // these bounds keep what is reached from getting worse. Qwen2.5's keys carry outlier
+    // channels (its key projection has a bias) that the rotation spreads over the whole
+    // head: TurboQuant is not checked on it (KL 3.5: broken).
+    if turbo == Turbo::Checked {
+        model.precision = None;
+        for bits in ["4", "3.5"] {
+            model.kv_format = bits.parse().unwrap();
+            let prefill = model.session().unwrap().forward(&r.tokens, Logits::All).unwrap();
+            let mut s = model.session().unwrap();
+            let mut decode = Vec::new();
+            for &t in &r.tokens {
+                decode.extend(s.forward(&[t], Logits::All).unwrap());
+            }
+            for (mode, logits) in [("prefill", &prefill), ("decode", &decode)] {
+                let (kl, top1) = compare(logits, &r);
+                eprintln!("{name} {mode}, --kv-bits {bits}: mean KL {kl:.2e}, top-1 agreement {:.1}%", 100.0 * top1);
+                let (max_kl, min_top1) = if bits == "4" { (0.05, 0.95) } else { (0.15, 0.75) };
+                assert!(kl <= max_kl, "{name} {mode}, --kv-bits {bits}: mean KL {kl} > {max_kl}");
+                assert!(top1 >= min_top1, "{name} {mode}, --kv-bits {bits}: top-1 agreement {top1} < {min_top1}");
+            }
+        }
+    }
+}
+
+/// Whether a model's TurboQuant caches are held to bounds.
+#[derive(PartialEq)]
+enum Turbo {
+    Checked,
+    NotYet,
+}
+
+/// Asserts mean KL <= 0.02 and top-1 agreement >= 90%; returns the KL.
+fn assert_close(name: &str, mode: &str, logits: &[f32], r: &Reference) -> f64 {
+    let (kl, top1) = compare(logits, r);
+    eprintln!("{name} {mode}: mean KL {kl:.2e}, top-1 agreement {:.1}%", 100.0 * top1);
+    assert!(kl <= 0.02, "{name} {mode}: mean KL {kl} > 0.02");
+    assert!(top1 >= 0.9, "{name} {mode}: top-1 agreement {top1} < 0.9");
+    kl
 }
 
 #[test]
 fn smollm2() {
-    check("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    check("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", Turbo::Checked);
 }
 
 #[test]
 fn gemma3_270m() {
-    check("gemma3-270m", "gemma-3-270m-q4_k_m.gguf");
+    check("gemma3-270m", "gemma-3-270m-q4_k_m.gguf", Turbo::Checked);
 }
 
 #[test]
 fn qwen25_coder_15b() {
-    check("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    check("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", Turbo::NotYet);
 }

@@ -4,9 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
-use sluice_core::Precision;
-use sluice_engine::{Cpu, LoadOptions, Logits, Model};
+use sluice_core::{DType, KvFormat, Precision};
+use sluice_engine::{Cpu, LoadOptions, Logits, Model, default_kv_format};
 use sluice_formats::Checkpoint;
+use sluice_formats::names::{TensorId, TensorKind};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny")
@@ -64,8 +65,10 @@ fn check_form(name: &str, path: &Path, vocab: Vocab) {
         r.vocab = n;
     }
     let ckpt = Checkpoint::open(path).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let opts = LoadOptions { precision: Some(Precision::Accurate), ..Default::default() };
-    let model = Model::load_with(Cpu::default(), &ckpt, &opts, None).unwrap_or_else(|e| panic!("{name}: {e}"));
+    // An f32 KV cache, so that only arithmetic differs; the default width is checked
+    // after.
+    let opts = LoadOptions { precision: Some(Precision::Accurate), kv: Some(KvFormat::F32), ..Default::default() };
+    let mut model = Model::load_with(Cpu::default(), &ckpt, &opts, None).unwrap_or_else(|e| panic!("{name}: {e}"));
     assert_eq!(model.spec.vocab_size, r.vocab);
 
     let mut s = model.session().unwrap();
@@ -85,6 +88,20 @@ fn check_form(name: &str, path: &Path, vocab: Vocab) {
     // Each mode is bitwise repeatable.
     let mut s = model.session().unwrap();
     assert_eq!(s.forward(&r.tokens, Logits::All).unwrap(), prefill, "{name}: prefill not repeatable");
+
+    // The default cache: f32 for an f32 checkpoint (what was just checked), 16 bits for
+    // a 16-bit or quantized one, whose keys and values then round to f16 (a relative
+    // 2^-11 each) before attention reads them.
+    let default = default_kv_format(&model.be, &ckpt);
+    let keys = [TensorKind::AttnK, TensorKind::AttnKvAMqa].into_iter().find_map(|k| ckpt.get(TensorId::layer(0, k)));
+    let f32_ckpt = keys.is_none_or(|t| t.dtype == DType::F32);
+    assert_eq!(default, if f32_ckpt { KvFormat::F32 } else { KvFormat::F16 }, "{name}: default KV width");
+    if default != KvFormat::F32 {
+        model.kv_format = default;
+        let e16 = rel_err(&model.session().unwrap().forward(&r.tokens, Logits::All).unwrap(), &r.logits);
+        eprintln!("{name}: prefill with a 16-bit cache {e16:.2e}");
+        assert!(e16 <= 5e-3, "{name} prefill, 16-bit cache: max|diff|/max|ref| = {e16:e}");
+    }
 }
 
 #[test]
