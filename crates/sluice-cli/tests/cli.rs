@@ -78,7 +78,9 @@ fn logits_both_modes_match_reference() {
 #[test]
 fn weights_in_memory_equal_mapped() {
     let cases: [(&str, &[&str]); 4] = [
-        ("gemma4-dense", &[]),
+        // A bf16 checkpoint: a 16-bit cache is 2.3e-3 from the reference, past this
+        // check's 1e-3 (reference.rs checks it at 5e-3), so the cache is f32 here.
+        ("gemma4-dense", &["--kv-bits", "32"]),
         ("qwen3-moe", &["--residency", "streamed", "--expert-cache", "2"]),
         ("qwen3-moe-fused", &["--residency", "mapped"]),
         ("gemma4-moe", &["--residency", "resident"]),

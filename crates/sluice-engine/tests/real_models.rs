@@ -84,10 +84,10 @@ fn check(name: &str, file: &str, turbo: Turbo) {
     for &t in &r.tokens {
         decode.extend(s.forward(&[t], Logits::All).unwrap());
     }
-    // `--kv-bits 16` is the default on a quantized model, bit for bit.
-    assert_eq!(model.kv_format, KvFormat::F16, "{name}: the default KV cache");
+    // A 16-bit cache (the default to be) within the same bounds.
     model.kv_format = KvFormat::F16;
-    assert_eq!(model.session().unwrap().forward(&r.tokens, Logits::All).unwrap(), prefill, "{name}: --kv-bits 16");
+    let half = model.session().unwrap().forward(&r.tokens, Logits::All).unwrap();
+    assert_close(name, "prefill, --kv-bits 16", &half, &r);
     // Accurate precision with an f32 cache leaves only arithmetic.
     model.precision = Some(Precision::Accurate);
     model.kv_format = KvFormat::F32;
