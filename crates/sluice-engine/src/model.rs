@@ -175,9 +175,9 @@ impl<B: Backend> Model<B> {
             max_context: ckpt.spec.max_context,
             prefetch: if ckpt.spec.is_moe() { opts.prefetch } else { Prefetch::Off },
             precision: opts.precision,
-            // f32 until the coded caches' fault is found: SmolLM2's chat answer goes
-            // wrong with any coded cache at the default precision (default_kv_format holds
-            // the rule the default will follow).
+            // f32 until the chat tests stop resting on SmolLM2's knife-edge answer (any
+            // narrower cache flips it at 8-bit prefill, as f32 does on a reworded
+            // question); default_kv_format holds the rule the default will follow.
             kv_format: opts.kv.unwrap_or(KvFormat::F32),
             bytes_per_token: decode_bytes_per_token(ckpt, &store),
             state: net.state(),
