@@ -3,9 +3,10 @@
 Python clients and checks what they parse: chat and completions, whole and streamed,
 usage, logprobs, a 400 raised as the client's own error, and Anthropic messages.
 
-    check_clients.py URL EXPECTED
+    check_clients.py URL QUESTION EXPECTED
 
-EXPECTED is a text the greedy answer to "What is the capital of France?" must contain.
+EXPECTED is a text the greedy answer to QUESTION (a question about a capital: the
+JSON-schema part asks for the city and country) must contain.
 Exits non-zero, saying what differed, on any mismatch. Run by the serve tests with
 the clients scripts/client_venv.sh installs.
 """
@@ -16,8 +17,8 @@ import sys
 import anthropic
 import openai
 
-url, expected = sys.argv[1], sys.argv[2]
-question = [{"role": "user", "content": "What is the capital of France?"}]
+url, asked, expected = sys.argv[1], sys.argv[2], sys.argv[3]
+question = [{"role": "user", "content": asked}]
 oa = openai.OpenAI(base_url=url + "/v1", api_key="unused")
 
 models = [m.id for m in oa.models.list()]

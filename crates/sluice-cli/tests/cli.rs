@@ -94,6 +94,34 @@ fn weights_in_memory_equal_mapped() {
     }
 }
 
+/// With no `--kv-bits`, a 16-bit or quantized checkpoint caches keys and values at 16
+/// bits and an f32 one at 32: the logits equal, bit for bit, those of the width named,
+/// and differ from the other width's (the flag is not ignored).
+#[test]
+fn kv_bits_default_follows_the_checkpoint() {
+    let mut cases = vec![(fixture("gemma4-dense"), "16", "32"), (fixture("qwen3-moe"), "32", "16")];
+    cases.extend(
+        sluice_core::testing::real_model("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2").map(|m| (m, "16", "32")),
+    );
+    let ids = (1..=40).map(|t| (t * 7).to_string()).collect::<Vec<_>>().join(",");
+    for (model, default, other) in cases {
+        let name = model.file_name().unwrap().to_string_lossy().into_owned();
+        let logits = |width: Option<&str>| {
+            let out =
+                Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-kv-{}.f32", width.unwrap_or("default")));
+            let mut args =
+                vec!["logits", "--model", model.to_str().unwrap(), "--tokens", &ids, "--out", out.to_str().unwrap()];
+            args.extend(width.map(|w| ["--kv-bits", w]).iter().flatten());
+            let o = sluice(&args);
+            assert!(o.status.success(), "{name} {width:?}: {}", String::from_utf8_lossy(&o.stderr));
+            std::fs::read(out).unwrap()
+        };
+        let plain = logits(None);
+        assert!(plain == logits(Some(default)), "{name}: the default is not --kv-bits {default}");
+        assert!(plain != logits(Some(other)), "{name}: --kv-bits {other} gave the default's logits");
+    }
+}
+
 #[test]
 fn tokenize_matches_hugging_face() {
     for name in ["gemma4-moe", "gemma4-dense", "qwen3", "llama"] {

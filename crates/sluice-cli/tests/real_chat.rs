@@ -34,14 +34,13 @@ fn answers(model: &Path, cases: &[(&str, &str)]) {
 #[test]
 fn smollm2_answers_a_question() {
     let Some(m) = model("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2") else { return };
-    // In transformers' f32 forward over these weights the first word is a near tie
-    // ("The" 25.33, "L" 25.24, then "L'Étoile, ..."): 8-bit activations throughout
-    // flip it, as they do in llama.cpp with the same prompt; the default precision
-    // (16-bit for the prompt's last token and decode) keeps it.
+    // Not France: in transformers' f32 forward over these weights the first word of
+    // that answer is a near tie ("The" 25.33, "L" 25.24, then "L'Étoile, ..."), which
+    // a 16-bit KV cache or 8-bit activations flip, as they do in llama.cpp.
     answers(
         &m,
         &[
-            ("What is the capital of France?", "Paris"),
+            ("What is the capital of Japan?", "Tokyo"),
             ("What is the capital of Germany?", "Berlin"),
             ("What is 2 + 2?", "4"),
         ],

@@ -402,7 +402,7 @@ fn a_conversation_continues_from_its_kept_state() {
         r.json()
     };
     let server = Server::start(&model, &[]);
-    let mut messages = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let mut messages = json!([{"role": "user", "content": "What is the capital of Japan?"}]);
     let first = ask(&server, &messages);
     assert_eq!(first["choices"][0]["finish_reason"], "stop");
     let reply = first["choices"][0]["message"]["content"].clone();
@@ -418,7 +418,7 @@ fn a_conversation_continues_from_its_kept_state() {
     assert!(answer.contains("Berlin"), "{answer}");
     // With no prompt cache nothing is kept, and the answer is the same.
     let cold = Server::start(&model, &["--prompt-cache", "0"]);
-    ask(&cold, &json!([{"role": "user", "content": "What is the capital of France?"}]));
+    ask(&cold, &json!([{"role": "user", "content": "What is the capital of Japan?"}]));
     let again = ask(&cold, &messages);
     assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     assert!(again["choices"][0]["message"]["content"].as_str().unwrap().contains("Berlin"));
@@ -883,9 +883,9 @@ fn serve_flags_fail_cleanly() {
 fn real_serve_smollm2_equals_run() {
     let Some(model) = smollm2() else { return };
     let server = Server::start(&model, &[]);
-    let question = "What is the capital of France?";
+    let question = "What is the capital of Japan?";
     let want = run_greedy(&model, question, true, 24);
-    assert!(want.contains("Paris"), "{want}");
+    assert!(want.contains("Tokyo"), "{want}");
     let r = server.post("/v1/chat/completions", &chat_body(question, 24)).json();
     assert_eq!(r["choices"][0]["message"]["content"].as_str().unwrap().trim_start(), want);
     let prompt = "Once upon a time";
@@ -906,7 +906,7 @@ fn official_clients_talk_to_it() {
     let server = Server::start(&model, &[]);
     let o = Command::new(python)
         .arg(root.join("scripts/check_clients.py"))
-        .args([&format!("http://{}", server.addr), "Paris"])
+        .args([&format!("http://{}", server.addr), "What is the capital of Germany?", "Berlin"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));

@@ -45,8 +45,8 @@ pub struct LoadOptions {
     pub prefetch: Prefetch,
     /// Activation precision for every step; `None` picks per sequence ([`Model::precision`]).
     pub precision: Option<Precision>,
-    /// How KV caches store their positions (`--kv-bits`); `None` is f32 for now
-    /// ([`default_kv_format`] is the rule the default will follow).
+    /// How KV caches store their positions (`--kv-bits`); `None` is
+    /// [`default_kv_format`].
     pub kv: Option<KvFormat>,
 }
 
@@ -87,7 +87,7 @@ pub struct Model<B: Backend = Cpu> {
     /// accurate logits.
     pub precision: Option<Precision>,
     /// How every sequence's KV caches store positions (a sliding layer's at most 16
-    /// bits); [`LoadOptions::kv`], f32 when it is `None`.
+    /// bits); [`LoadOptions::kv`], or [`default_kv_format`] when it is `None`.
     pub kv_format: KvFormat,
     /// Weight bytes one decode step reads: every resident matrix, the output
     /// projection, one row of each embedding table, and top-k experts per MoE layer
@@ -175,10 +175,7 @@ impl<B: Backend> Model<B> {
             max_context: ckpt.spec.max_context,
             prefetch: if ckpt.spec.is_moe() { opts.prefetch } else { Prefetch::Off },
             precision: opts.precision,
-            // f32 until the chat tests stop resting on SmolLM2's knife-edge answer (any
-            // narrower cache flips it at 8-bit prefill, as f32 does on a reworded
-            // question); default_kv_format holds the rule the default will follow.
-            kv_format: opts.kv.unwrap_or(KvFormat::F32),
+            kv_format: opts.kv.unwrap_or_else(|| default_kv_format(&be, ckpt)),
             bytes_per_token: decode_bytes_per_token(ckpt, &store),
             state: net.state(),
             store,
