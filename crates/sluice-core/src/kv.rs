@@ -98,8 +98,8 @@ impl fmt::Display for KvFormat {
 }
 
 /// One layer's KV cache as the engine asks a backend for it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KvLayout {
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvLayout<'a> {
     /// Floats per position (`kv_heads * head_dim`).
     pub kv_dim: usize,
     /// Floats per head: a quantized cache scales and rotates within heads.
@@ -109,4 +109,10 @@ pub struct KvLayout {
     pub format: KvFormat,
     /// Chooses the rotation's signs (the layer's index): fixed per layer and head.
     pub seed: u64,
+    /// A vector of `kv_dim` that a coded cache subtracts from every key before coding
+    /// it: the part all positions share, which would otherwise take most of the codes'
+    /// range (Qwen2.5's key bias reaches 350 in channels where the rest is near 1).
+    /// Attention adds `q · key_shift` back to each score, so the result does not
+    /// depend on it but for rounding. `None` for none.
+    pub key_shift: Option<&'a [f32]>,
 }

@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use crate::dot::{dot_f32_rows, weighted_sum};
+use crate::dot::{dot_f32, dot_f32_rows, weighted_sum};
 pub use crate::kv::KvCache;
 use crate::ops::{exp_fast, softcap};
 
@@ -131,6 +131,14 @@ struct Job<'a> {
     heads: usize,
 }
 
+/// One query head of one row, in the cache's basis, and what its scores lack
+/// (`q · key_shift` of a cache that codes keys relative to a shift; 0 otherwise).
+#[derive(Clone, Copy)]
+struct Query<'a> {
+    q: &'a [f32],
+    lift: f32,
+}
+
 /// One query's running softmax: the largest score so far, the sum of the weights
 /// relative to it, and the weighted sum of values.
 struct Online {
@@ -155,6 +163,9 @@ impl Job<'_> {
             let at = (s.first + row) * q_dim + t.h0 * hd;
             qs.extend_from_slice(&self.q[at..at + self.heads * hd]);
         }
+        // What each query's scores lack when the cache codes keys relative to a shift.
+        let shift = codec.and_then(|c| c.key_shift(kvh));
+        let lifts: Vec<f32> = qs.chunks(hd).map(|q| shift.map_or(0.0, |s| dot_f32(q, s))).collect();
         if let Some(c) = codec.filter(|c| c.rotates()) {
             qs.chunks_mut(hd).for_each(|q| c.rotate(kvh, q));
         }
@@ -187,7 +198,8 @@ impl Job<'_> {
                         let (k, v) = (&kt[(x0 - from) * hd..(x1 - from) * hd], &vt[(x0 - from) * hd..(x1 - from) * hd]);
                         for j in 0..self.heads {
                             let qi = i * self.heads + j;
-                            self.tile(&qs[qi * hd..(qi + 1) * hd], k, v, &mut state[qi], &mut scratch);
+                            let q = Query { q: &qs[qi * hd..(qi + 1) * hd], lift: lifts[qi] };
+                            self.tile(q, k, v, &mut state[qi], &mut scratch);
                         }
                     }
                     a += TILE;
@@ -207,7 +219,7 @@ impl Job<'_> {
                         self.gather(t.seq, kvh, c.iter().map(|&j| j as usize), &mut kt, &mut vt);
                         for j in 0..self.heads {
                             let qi = i * self.heads + j;
-                            let q = &qs[qi * hd..(qi + 1) * hd];
+                            let q = Query { q: &qs[qi * hd..(qi + 1) * hd], lift: lifts[qi] };
                             self.tile(q, &kt[..m * hd], &vt[..m * hd], &mut state[qi], &mut scratch);
                         }
                     }
@@ -257,12 +269,12 @@ impl Job<'_> {
 
     /// One query against one tile's keys `k` and values `v` (`head_dim` rows): scaled,
     /// soft-capped scores folded into the query's running softmax.
-    fn tile(&self, q: &[f32], k: &[f32], v: &[f32], st: &mut Online, x: &mut Scratch) {
+    fn tile(&self, q: Query<'_>, k: &[f32], v: &[f32], st: &mut Online, x: &mut Scratch) {
         let p = self.p;
         let hd = p.head_dim;
         let w = &mut x.scores[..k.len() / hd];
-        dot_f32_rows(q, |t| &k[t * hd..(t + 1) * hd], w);
-        w.iter_mut().for_each(|x| *x *= p.scale);
+        dot_f32_rows(q.q, |t| &k[t * hd..(t + 1) * hd], w);
+        w.iter_mut().for_each(|x| *x = (*x + q.lift) * p.scale);
         if let Some(cap) = p.softcap {
             softcap(w, cap);
         }
@@ -483,7 +495,7 @@ mod tests {
             (KvFormat::Turbo(TurboBits::ThreeHalf), 0.2),
             (KvFormat::Turbo(TurboBits::Two), 0.5),
         ] {
-            let layout = KvLayout { kv_dim: kd, head_dim: 32, window: None, format, seed: 7 };
+            let layout = KvLayout { kv_dim: kd, head_dim: 32, window: None, format, seed: 7, key_shift: None };
             let mut runs = Vec::new();
             for chunk in [n, 5, 1] {
                 runs.push(chunked(&p, (&q, &k, &v), KvCache::with_layout(&layout).unwrap(), chunk));
@@ -527,5 +539,48 @@ mod tests {
             attention(&p, &qb, &kb, &vb, &seqs, &mut both);
             assert!(both == alone, "{format:?}: batching changed a result");
         }
+    }
+
+    /// Keys that share a large offset in a few channels (as a key bias puts there):
+    /// a TurboQuant cache coding them relative to that offset is as close to f32
+    /// attention as on plain Gaussian keys, and without the shift the offset takes the
+    /// codes' range and the result is far off. The shift also survives chunking.
+    #[test]
+    fn a_key_shift_takes_a_shared_offset_out_of_the_codes() {
+        use sluice_core::{KvFormat, KvLayout, TurboBits};
+        let p = AttnParams {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 32,
+            scale: 0.18,
+            window: None,
+            softcap: None,
+            sinks: None,
+            select: None,
+        };
+        let n = 13;
+        let (qd, kd) = (128, 64);
+        let g = |m: usize, seed: u64| crate::kv::tests::gaussian(m, seed);
+        let (q, mut k, v) = (g(n * qd, 1), g(n * kd, 2), g(n * kd, 3));
+        let mut offset = vec![0f32; kd];
+        for (c, o) in [(3, 300.0), (19, -250.0), (35, 180.0), (60, -320.0)] {
+            offset[c] = o;
+        }
+        k.chunks_mut(kd).for_each(|row| row.iter_mut().zip(&offset).for_each(|(k, o)| *k += o));
+        // The offset adds a constant to each query's scores: softmax takes it out.
+        let want = naive(&p, &q, &k, &v, 0, n);
+        let err = |shift: Option<&[f32]>, chunk: usize| {
+            let format = KvFormat::Turbo(TurboBits::Four);
+            let layout = KvLayout { kv_dim: kd, head_dim: 32, window: None, format, seed: 7, key_shift: shift };
+            let got = chunked(&p, (&q, &k, &v), KvCache::with_layout(&layout).unwrap(), chunk);
+            let sq = |x: f32| (x as f64) * (x as f64);
+            (got.iter().zip(&want).map(|(a, b)| sq(a - b)).sum::<f64>() / want.iter().map(|&b| sq(b)).sum::<f64>())
+                .sqrt()
+        };
+        let (shifted, plain) = (err(Some(&offset), n), err(None, n));
+        eprintln!("relative RMS error: {shifted:.4} with the shift, {plain:.4} without");
+        assert!(shifted < 0.15, "with the shift: {shifted}");
+        assert!(plain > 3.0 * shifted, "without the shift: {plain} (with it {shifted})");
+        assert_eq!(err(Some(&offset), 4), shifted, "chunking changed the result");
     }
 }

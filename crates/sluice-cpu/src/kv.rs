@@ -125,7 +125,7 @@ impl KvCache {
     }
 
     /// Head `head` of position `pos`'s key, decoded into `out` (`head_dim`), in the
-    /// codec's basis (rotated for TurboQuant).
+    /// codec's basis (rotated for TurboQuant), less the codec's [`Codec::key_shift`].
     pub fn key_into(&self, pos: usize, head: usize, out: &mut [f32]) {
         self.decode(pos, head, out, |r| r.0)
     }
@@ -204,8 +204,14 @@ impl KvCache {
                     ks.resize(held * rb, 0);
                     vs.resize(held * rb, 0);
                 }
+                let mut shifted = vec![0f32; if codec.key_shift.is_empty() { 0 } else { d }];
                 for (i, s) in (skip..n).zip(slots) {
-                    codec.encode_row(&k[i * d..(i + 1) * d], &mut ks[s * rb..(s + 1) * rb]);
+                    let mut key = &k[i * d..(i + 1) * d];
+                    if !shifted.is_empty() {
+                        shifted.iter_mut().zip(key.iter().zip(&codec.key_shift)).for_each(|(o, (k, c))| *o = k - c);
+                        key = &shifted;
+                    }
+                    codec.encode_row(key, &mut ks[s * rb..(s + 1) * rb]);
                     codec.encode_row(&v[i * d..(i + 1) * d], &mut vs[s * rb..(s + 1) * rb]);
                 }
             }
@@ -226,6 +232,8 @@ pub struct Codec {
     block: usize,
     signs: Vec<f32>,
     books: [Arc<Codebook>; 2],
+    /// [`KvLayout::key_shift`] (`kv_dim`, in the keys' own basis), empty for none.
+    key_shift: Vec<f32>,
 }
 
 impl Codec {
@@ -267,7 +275,13 @@ impl Codec {
                 .collect(),
             _ => Vec::new(),
         };
-        Ok(Codec { format: l.format, heads, head_dim: hd, head_bytes, block, signs, books })
+        let key_shift = match l.key_shift {
+            Some(s) if s.len() != l.kv_dim => {
+                return Err(Error::Usage(format!("a key shift of {} floats for keys of {}", s.len(), l.kv_dim)));
+            }
+            s => s.map_or_else(Vec::new, <[f32]>::to_vec),
+        };
+        Ok(Codec { format: l.format, heads, head_dim: hd, head_bytes, block, signs, books, key_shift })
     }
 
     pub fn format(&self) -> KvFormat {
@@ -276,6 +290,12 @@ impl Codec {
 
     pub fn head_dim(&self) -> usize {
         self.head_dim
+    }
+
+    /// Head `head`'s part of the vector every key was coded relative to: decoded keys
+    /// are `key - shift`, and a score needs `q · shift` added back.
+    pub fn key_shift(&self, head: usize) -> Option<&[f32]> {
+        (!self.key_shift.is_empty()).then(|| &self.key_shift[head * self.head_dim..(head + 1) * self.head_dim])
     }
 
     fn row_bytes(&self) -> usize {
@@ -549,7 +569,14 @@ pub(crate) mod tests {
             (TurboBits::ThreeHalf, (0.03454 + 0.009497) / 2.0),
             (TurboBits::Four, 0.009497),
         ] {
-            let l = KvLayout { kv_dim: 2 * hd, head_dim: hd, window: None, format: KvFormat::Turbo(bits), seed: 3 };
+            let l = KvLayout {
+                kv_dim: 2 * hd,
+                head_dim: hd,
+                window: None,
+                format: KvFormat::Turbo(bits),
+                seed: 3,
+                key_shift: None,
+            };
             let codec = Codec::new(&l).unwrap();
             let (mut err, mut norm) = (0f64, 0f64);
             let mut bytes = vec![0u8; codec.row_bytes()];
@@ -574,8 +601,14 @@ pub(crate) mod tests {
     /// Rotation keeps dot products; unrotate undoes rotate.
     #[test]
     fn rotation_is_orthogonal() {
-        let l =
-            KvLayout { kv_dim: 576, head_dim: 576, window: None, format: KvFormat::Turbo(TurboBits::Four), seed: 9 };
+        let l = KvLayout {
+            kv_dim: 576,
+            head_dim: 576,
+            window: None,
+            format: KvFormat::Turbo(TurboBits::Four),
+            seed: 9,
+            key_shift: None,
+        };
         let codec = Codec::new(&l).unwrap();
         assert_eq!(codec.block, 64);
         let (a, b) = (gaussian(576, 1), gaussian(576, 2));
@@ -594,7 +627,7 @@ pub(crate) mod tests {
     fn widths_save_what_they_say() {
         for hd in [64, 128, 256] {
             let bytes = |format| {
-                let l = KvLayout { kv_dim: 4 * hd, head_dim: hd, window: None, format, seed: 0 };
+                let l = KvLayout { kv_dim: 4 * hd, head_dim: hd, window: None, format, seed: 0, key_shift: None };
                 KvCache::with_layout(&l).unwrap().bytes_per_position() as f64
             };
             let f16 = bytes(KvFormat::F16);
@@ -602,7 +635,14 @@ pub(crate) mod tests {
             assert!(bytes(KvFormat::Q8) <= 0.54 * f16);
             assert_eq!(bytes(KvFormat::F32), 2.0 * f16);
         }
-        let l = KvLayout { kv_dim: 40, head_dim: 40, window: None, format: KvFormat::Turbo(TurboBits::Four), seed: 0 };
+        let l = KvLayout {
+            kv_dim: 40,
+            head_dim: 40,
+            window: None,
+            format: KvFormat::Turbo(TurboBits::Four),
+            seed: 0,
+            key_shift: None,
+        };
         assert!(KvCache::with_layout(&l).unwrap_err().to_string().contains("head of 40"));
     }
 
@@ -611,7 +651,7 @@ pub(crate) mod tests {
     fn f16_and_q8_round_trip() {
         let x = gaussian(64, 5);
         for (format, tol) in [(KvFormat::F16, 1e-3), (KvFormat::Q8, 0.02)] {
-            let l = KvLayout { kv_dim: 64, head_dim: 64, window: None, format, seed: 0 };
+            let l = KvLayout { kv_dim: 64, head_dim: 64, window: None, format, seed: 0, key_shift: None };
             let mut c = KvCache::with_layout(&l).unwrap();
             c.append(&x, &x);
             let mut back = vec![0f32; 64];

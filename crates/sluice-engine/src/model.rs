@@ -22,7 +22,7 @@ use crate::families::{
     qwen35::Qwen35,
 };
 use crate::pilot::{Pilot, PilotStats};
-use crate::state::{SeqState, StateSpec};
+use crate::state::{SeqState, StateSpec, key_shifts};
 use crate::stats::Timers;
 
 /// Most rows pushed through the layers at once; longer steps run in passes of this
@@ -89,6 +89,8 @@ pub struct Model<B: Backend = Cpu> {
     /// How every sequence's KV caches store positions (a sliding layer's at most 16
     /// bits); [`LoadOptions::kv`], or [`default_kv_format`] when it is `None`.
     pub kv_format: KvFormat,
+    /// Per layer, what its coded caches store keys relative to ([`key_shifts`]).
+    key_shifts: Vec<Option<Vec<f32>>>,
     /// Weight bytes one decode step reads: every resident matrix, the output
     /// projection, one row of each embedding table, and top-k experts per MoE layer
     /// (their average size). Divided into memory bandwidth it gives the roofline.
@@ -177,6 +179,7 @@ impl<B: Backend> Model<B> {
             precision: opts.precision,
             kv_format: opts.kv.unwrap_or_else(|| default_kv_format(&be, ckpt)),
             bytes_per_token: decode_bytes_per_token(ckpt, &store),
+            key_shifts: key_shifts(ckpt)?,
             state: net.state(),
             store,
             be,
@@ -186,7 +189,7 @@ impl<B: Backend> Model<B> {
 
     /// A new, empty sequence.
     pub fn new_state(&self) -> Result<SeqState<B>> {
-        SeqState::new(&self.be, &self.state, self.kv_format)
+        SeqState::new(&self.be, &self.state, self.kv_format, &self.key_shifts)
     }
 
     /// A one-sequence session.

@@ -5,7 +5,9 @@
 //! reference to an earlier layer's cache, a fixed-size recurrent state, a latent
 //! cache), and [`SeqState`] holds one [`LayerState`] of that kind per layer.
 
-use sluice_core::{Error, KvFormat, KvLayout, Result};
+use sluice_core::{Error, KvFormat, KvLayout, Result, RopeStyle};
+use sluice_formats::Checkpoint;
+use sluice_formats::names::{TensorId, TensorKind};
 
 use crate::backend::Backend;
 
@@ -29,6 +31,50 @@ pub enum StateSpec {
     Stateless,
 }
 
+/// Per layer, the vector its coded KV caches store keys relative to
+/// ([`KvLayout::key_shift`]), or `None`: the key projection's bias where a layer has
+/// one, on the rotary pairs that turn by at most [`SLOW_PAIR`] radians over the
+/// model's context (there the bias, rotated by RoPE, stays close to itself; the
+/// large entries of Qwen2.5's bias, up to 350, sit in those pairs). A shift only moves
+/// rounding: attention adds it back, so any vector gives the same scores.
+pub fn key_shifts(ckpt: &Checkpoint) -> Result<Vec<Option<Vec<f32>>>> {
+    let context = ckpt.spec.max_context as f32;
+    ckpt.spec
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(layer, l)| {
+            let a = &l.attention;
+            if !a.qkv_bias || a.qk_norm || a.mla.is_some() || a.kv_source.is_some() {
+                return Ok(None);
+            }
+            let bias = ckpt.tensor(TensorId::layer(layer, TensorKind::AttnKBias), &[a.kv_dim()])?.to_f32_vec()?;
+            let hd = a.head_dim;
+            let mut shift = vec![0f32; bias.len()];
+            for (s, b) in shift.chunks_mut(hd).zip(bias.chunks(hd)) {
+                for (p, &f) in a.rope.inv_freq.iter().enumerate() {
+                    if f * context > SLOW_PAIR {
+                        continue;
+                    }
+                    let (x, y) = match a.rope.style {
+                        RopeStyle::Half => (p, p + hd / 2),
+                        RopeStyle::Interleaved => (2 * p, 2 * p + 1),
+                    };
+                    // RoPE scales what it rotates by the attention factor (YaRN).
+                    for c in [x, y] {
+                        s[c] = b[c] * a.rope.attention_factor;
+                    }
+                }
+            }
+            Ok(shift.iter().any(|&v| v != 0.0).then_some(shift))
+        })
+        .collect()
+}
+
+/// The most a rotary pair may turn over the context for [`key_shifts`] to take the
+/// bias there as fixed: the shifted key is then off by at most this fraction of it.
+const SLOW_PAIR: f32 = 0.5;
+
 /// One layer's state of one sequence.
 pub enum LayerState<B: Backend> {
     Kv(B::Kv),
@@ -49,23 +95,27 @@ pub struct SeqState<B: Backend> {
 
 impl<B: Backend> SeqState<B> {
     /// A sequence's empty state; its caches store `kv` (a sliding layer's ring at
-    /// most 16 bits, see [`KvFormat::for_sliding`]).
-    pub fn new(be: &B, specs: &[StateSpec], kv: KvFormat) -> Result<SeqState<B>> {
+    /// most 16 bits, see [`KvFormat::for_sliding`]), each layer's keys relative to its
+    /// entry of `key_shifts` (see [`key_shifts`]).
+    pub fn new(be: &B, specs: &[StateSpec], kv: KvFormat, key_shifts: &[Option<Vec<f32>>]) -> Result<SeqState<B>> {
         let layers = specs
             .iter()
             .enumerate()
             .map(|(layer, s)| {
-                let cache = |kv_dim, head_dim, window: Option<usize>| {
+                let shift = key_shifts.get(layer).and_then(|s| s.as_deref());
+                let cache = |kv_dim, head_dim, window: Option<usize>, key_shift| {
                     let format = if window.is_some() { kv.for_sliding() } else { kv };
-                    be.kv_new(&KvLayout { kv_dim, head_dim, window, format, seed: layer as u64 })
+                    be.kv_new(&KvLayout { kv_dim, head_dim, window, format, seed: layer as u64, key_shift })
                 };
                 Ok(match *s {
-                    StateSpec::Kv { kv_dim, head_dim, window } => LayerState::Kv(cache(kv_dim, head_dim, window)?),
+                    StateSpec::Kv { kv_dim, head_dim, window } => {
+                        LayerState::Kv(cache(kv_dim, head_dim, window, shift)?)
+                    }
                     StateSpec::SharedKv { source } => LayerState::SharedKv(source),
                     StateSpec::Recurrent { rows, cols } => LayerState::Recurrent(be.zeros(rows, cols)?),
-                    StateSpec::Latent { width } => LayerState::Latent(cache(width, width, None)?),
+                    StateSpec::Latent { width } => LayerState::Latent(cache(width, width, None, None)?),
                     StateSpec::IndexedKv { kv_dim, head_dim, .. } => {
-                        LayerState::IndexedKv(cache(kv_dim, head_dim, None)?, Vec::new())
+                        LayerState::IndexedKv(cache(kv_dim, head_dim, None, shift)?, Vec::new())
                     }
                     StateSpec::Stateless => LayerState::Stateless,
                 })

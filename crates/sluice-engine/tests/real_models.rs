@@ -73,17 +73,13 @@ fn compare(logits: &[f32], r: &Reference) -> (f64, f64) {
     (kl_sum / n, agree as f64 / n)
 }
 
-fn check(name: &str, file: &str, turbo: Turbo) {
+fn check(name: &str, file: &str, turbo: TurboBounds) {
     let Some(path) = sluice_core::testing::real_model(file, name) else { return };
     let r = reference(name);
     let mut model = Model::open(&path).unwrap();
     assert_eq!(model.spec.vocab_size, r.vocab);
     let prefill = model.session().unwrap().forward(&r.tokens, Logits::All).unwrap();
-    let mut s = model.session().unwrap();
-    let mut decode = Vec::new();
-    for &t in &r.tokens {
-        decode.extend(s.forward(&[t], Logits::All).unwrap());
-    }
+    let decode = decode_each(&model, &r.tokens);
     // A 16-bit cache (the default to be) within the same bounds.
     model.kv_format = KvFormat::F16;
     let half = model.session().unwrap().forward(&r.tokens, Logits::All).unwrap();
@@ -99,39 +95,33 @@ fn check(name: &str, file: &str, turbo: Turbo) {
     // What is left is the reference's own f32 arithmetic and ours summing differently.
     assert!(kls[2] * 4.0 <= kls[0], "{name}: accurate KL {} is not well below fast's {}", kls[2], kls[0]);
     // TurboQuant caches (full-attention layers at the width, sliding ones at 16 bits),
-    // both modes at the default precision. Measured on this sentence, KL (top-1):
-    // SmolLM2 0.034-0.045 (97.6%) at 4 bits and 0.055 (90.5%) at 3.5; gemma-3-270m
-    // 0.018-0.020 (97.7%) and 0.066 (90.7%); decoding at 3.5 bits SmolLM2 0.103 (76.2%),
-    // gemma 0.069 (90.7%). The KL <= 0.02 is not met yet;
-    // these bounds keep what is reached from getting worse. Qwen2.5's keys carry outlier
-    // channels (its key projection has a bias) that the rotation spreads over the whole
-    // head: TurboQuant is not checked on it (KL 3.5: broken).
-    if turbo == Turbo::Checked {
-        model.precision = None;
-        for bits in ["4", "3.5"] {
-            model.kv_format = bits.parse().unwrap();
-            let prefill = model.session().unwrap().forward(&r.tokens, Logits::All).unwrap();
-            let mut s = model.session().unwrap();
-            let mut decode = Vec::new();
-            for &t in &r.tokens {
-                decode.extend(s.forward(&[t], Logits::All).unwrap());
-            }
-            for (mode, logits) in [("prefill", &prefill), ("decode", &decode)] {
-                let (kl, top1) = compare(logits, &r);
-                eprintln!("{name} {mode}, --kv-bits {bits}: mean KL {kl:.2e}, top-1 agreement {:.1}%", 100.0 * top1);
-                let (max_kl, min_top1) = if bits == "4" { (0.05, 0.95) } else { (0.15, 0.75) };
-                assert!(kl <= max_kl, "{name} {mode}, --kv-bits {bits}: mean KL {kl} > {max_kl}");
-                assert!(top1 >= min_top1, "{name} {mode}, --kv-bits {bits}: top-1 agreement {top1} < {min_top1}");
-            }
+    // both modes at the default precision, within the model's bounds.
+    model.precision = None;
+    for (bits, (max_kl, min_top1)) in [("4", turbo.four), ("3.5", turbo.three_half)] {
+        model.kv_format = bits.parse().unwrap();
+        let prefill = model.session().unwrap().forward(&r.tokens, Logits::All).unwrap();
+        for (mode, logits) in [("prefill", &prefill), ("decode", &decode_each(&model, &r.tokens))] {
+            let (kl, top1) = compare(logits, &r);
+            eprintln!("{name} {mode}, --kv-bits {bits}: mean KL {kl:.2e}, top-1 agreement {:.1}%", 100.0 * top1);
+            assert!(kl <= max_kl, "{name} {mode}, --kv-bits {bits}: mean KL {kl} > {max_kl}");
+            assert!(top1 >= min_top1, "{name} {mode}, --kv-bits {bits}: top-1 agreement {top1} < {min_top1}");
         }
     }
 }
 
-/// Whether a model's TurboQuant caches are held to bounds.
-#[derive(PartialEq)]
-enum Turbo {
-    Checked,
-    NotYet,
+/// The logits of `tokens` fed one at a time to one session.
+fn decode_each(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let mut s = model.session().unwrap();
+    tokens.iter().flat_map(|&t| s.forward(&[t], Logits::All).unwrap()).collect()
+}
+
+/// The most mean KL and the least top-1 agreement a model's TurboQuant caches may
+/// give at 4 and 3.5 bits, prefilling and decoding: what is reached on this
+/// sentence, with room, so that it cannot get worse. The KL <= 0.02 at both
+/// widths holds on Qwen2.5 only.
+struct TurboBounds {
+    four: (f64, f64),
+    three_half: (f64, f64),
 }
 
 /// Asserts mean KL <= 0.02 and top-1 agreement >= 90%; returns the KL.
@@ -145,15 +135,25 @@ fn assert_close(name: &str, mode: &str, logits: &[f32], r: &Reference) -> f64 {
 
 #[test]
 fn smollm2() {
-    check("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", Turbo::Checked);
+    // Measured KL (top-1), prefill / decode: 4 bits 0.034 / 0.045 (97.6%), 3.5 bits
+    // 0.055 / 0.103 (90.5% / 76.2%).
+    check("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", TurboBounds { four: (0.05, 0.95), three_half: (0.15, 0.75) });
 }
 
 #[test]
 fn gemma3_270m() {
-    check("gemma3-270m", "gemma-3-270m-q4_k_m.gguf", Turbo::Checked);
+    // 4 bits 0.018 / 0.020 (97.7%), 3.5 bits 0.066 / 0.069 (90.7%).
+    check("gemma3-270m", "gemma-3-270m-q4_k_m.gguf", TurboBounds { four: (0.05, 0.95), three_half: (0.15, 0.75) });
 }
 
 #[test]
 fn qwen25_coder_15b() {
-    check("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", Turbo::NotYet);
+    // Its key projection's bias (up to 350, in rotary pairs that barely turn) is coded
+    // out of the keys (state::key_shifts); without that 4 bits gave KL 3.5.
+    // 4 bits 0.016 / 0.011 (100% / 97.7%), 3.5 bits 0.020 / 0.0135 (97.7%).
+    check(
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        TurboBounds { four: (0.025, 0.95), three_half: (0.03, 0.95) },
+    );
 }
