@@ -466,22 +466,26 @@ mod tests {
         assert!(got == alone);
     }
 
+    /// Four query heads on two KV heads of 32, for Gaussian queries, keys and values of
+    /// 13 positions (`[13, 128]` and `[13, 64]`).
+    const GAUSSIAN_HEADS: AttnParams<'static> = AttnParams {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 32,
+        scale: 0.18,
+        window: None,
+        softcap: None,
+        sinks: None,
+        select: None,
+    };
+
     /// A coded cache: a prompt in one chunk, in chunks and token by token gives the same
     /// bits (a chunk reads its own rows coded), close to f32 attention by the format's
     /// precision; a batch of sequences gives each one's bits alone.
     #[test]
     fn coded_caches_are_chunk_invariant() {
         use sluice_core::{KvFormat, KvLayout, TurboBits};
-        let p = AttnParams {
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 32,
-            scale: 0.18,
-            window: None,
-            softcap: None,
-            sinks: None,
-            select: None,
-        };
+        let p = GAUSSIAN_HEADS;
         let n = 13;
         let (qd, kd) = (128, 64);
         // Gaussian keys, values and queries (a rotated real head looks like this).
@@ -548,16 +552,7 @@ mod tests {
     #[test]
     fn a_key_shift_takes_a_shared_offset_out_of_the_codes() {
         use sluice_core::{KvFormat, KvLayout, TurboBits};
-        let p = AttnParams {
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 32,
-            scale: 0.18,
-            window: None,
-            softcap: None,
-            sinks: None,
-            select: None,
-        };
+        let p = GAUSSIAN_HEADS;
         let n = 13;
         let (qd, kd) = (128, 64);
         let g = |m: usize, seed: u64| crate::kv::tests::gaussian(m, seed);

@@ -396,12 +396,12 @@ impl Codec {
                 let per_block = self.head_bytes / (self.head_dim / b);
                 for (o, c) in out.chunks_mut(b).zip(bytes.chunks(per_block)) {
                     let norm = f16::from_le_bytes([c[0], c[1]]).to_f32();
-                    let mut bits = BitReader::new(&c[2..]);
-                    let half = b / 2;
-                    for (i, o) in o.iter_mut().enumerate() {
-                        let book = &self.books[usize::from(i >= half)];
-                        *o = book.centroids[bits.take(book.bits) as usize] * norm;
-                    }
+                    // Each half of the block is whole bytes of its own width's codes
+                    // (a half is a multiple of 8 codes).
+                    let (first, second) = o.split_at_mut(b / 2);
+                    let split = (b / 2) * self.books[0].bits as usize / 8;
+                    unpack(&self.books[0], norm, &c[2..2 + split], first);
+                    unpack(&self.books[1], norm, &c[2 + split..], second);
                 }
             }
         }
@@ -521,23 +521,21 @@ impl<'a> BitWriter<'a> {
     }
 }
 
-struct BitReader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> BitReader<'a> {
-    fn new(bytes: &'a [u8]) -> Self {
-        BitReader { bytes, at: 0 }
-    }
-
-    fn take(&mut self, bits: u32) -> u32 {
-        // Codes are at most 4 bits, so one straddles at most two bytes.
-        let (byte, shift) = (self.at / 8, self.at % 8);
-        let lo = self.bytes[byte] as u32;
-        let hi = self.bytes.get(byte + 1).copied().unwrap_or(0) as u32;
-        self.at += bits as usize;
-        ((lo | hi << 8) >> shift) & ((1 << bits) - 1)
+/// Decodes `out.len()` codes of `book`'s width (a multiple of 8) from `bytes`, packed
+/// as [`BitWriter`] packs them, each into its centroid times `norm`. Eight codes take
+/// exactly `bits` bytes, so each group of eight is one little-endian word; the
+/// centroids are scaled once, to the same products a code-by-code decode gives.
+fn unpack(book: &Codebook, norm: f32, bytes: &[u8], out: &mut [f32]) {
+    let mut table = [0f32; 16];
+    table.iter_mut().zip(&book.centroids).for_each(|(t, c)| *t = c * norm);
+    let (bits, mask) = (book.bits as usize, (1u32 << book.bits) - 1);
+    for (o, g) in out.chunks_exact_mut(8).zip(bytes.chunks_exact(bits)) {
+        let mut w = [0u8; 4];
+        w[..bits].copy_from_slice(g);
+        let w = u32::from_le_bytes(w);
+        for (i, o) in o.iter_mut().enumerate() {
+            *o = table[(w >> (i * bits) & mask) as usize];
+        }
     }
 }
 
@@ -658,6 +656,22 @@ pub(crate) mod tests {
             c.value_into(0, 0, &mut back);
             let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
             assert!(x.iter().zip(&back).all(|(a, b)| (a - b).abs() <= tol * max), "{format:?}");
+        }
+    }
+
+    /// Codes of every width written by `BitWriter` come back from `unpack` as written
+    /// (centroid `k` is `k`, the norm 1), whatever straddles a byte.
+    #[test]
+    fn unpack_reads_what_the_writer_packed() {
+        for bits in 2..=4u32 {
+            let book = Codebook { bits, centroids: (0..1 << bits).map(|k| k as f32).collect(), thresholds: Vec::new() };
+            let codes: Vec<u32> = (0..64u64).map(|i| (splitmix(i * 7 + bits as u64) % (1 << bits)) as u32).collect();
+            let mut bytes = vec![0u8; 64 * bits as usize / 8];
+            let mut w = BitWriter::new(&mut bytes);
+            codes.iter().for_each(|&c| w.put(c, bits));
+            let mut out = vec![0f32; 64];
+            unpack(&book, 1.0, &bytes, &mut out);
+            assert_eq!(out, codes.iter().map(|&c| c as f32).collect::<Vec<_>>(), "{bits} bits");
         }
     }
 }
