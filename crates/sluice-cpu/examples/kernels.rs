@@ -10,7 +10,7 @@
 //! - decode on one 4096 x 4096 matrix repeated (cache-resident where it fits);
 //! - prefill (n = 128) on 4096 x 4096: GFLOP/s (2 * rows * cols * n per call).
 //!
-//! With `--rows`, a few rows on the hot 4096 x 4096 matrix (n = 1, 2, 4, 8, 16, the
+//! With `--rows` (and `--accurate` for 16-bit activations), a few rows on the hot 4096 x 4096 matrix (n = 1, 2, 4, 8, 16, the
 //! decode steps of a few sequences and the rows an expert gets): integer
 //! multiply-accumulates per second (rows * cols * n per call) and time per row against
 //! n = 1, to see where arithmetic binds.
@@ -141,7 +141,8 @@ fn main() {
         }
     }
     if has("--rows") {
-        few_rows(&pools, &only_rows(&args), &mut rng);
+        let p = if has("--accurate") { Precision::Accurate } else { Precision::Fast };
+        few_rows(&pools, &only_rows(&args), p, &mut rng);
     }
     if !skip_small {
         small(&pools, &mut rng);
@@ -158,8 +159,8 @@ fn only_rows(args: &[String]) -> Vec<DType> {
 }
 
 /// A few rows against one hot matrix: GMAC/s and time per row relative to one row.
-fn few_rows(pools: &[rayon::ThreadPool], dtypes: &[DType], rng: &mut Rng) {
-    println!("\nfew rows, 4096 x 4096 hot: GMAC/s (time per row against n = 1)");
+fn few_rows(pools: &[rayon::ThreadPool], dtypes: &[DType], precision: Precision, rng: &mut Rng) {
+    println!("\nfew rows, 4096 x 4096 hot, {precision:?}: GMAC/s (time per row against n = 1)");
     const NS: [usize; 5] = [1, 2, 4, 8, 16];
     println!("{:<6} {:>3} | {}", "type", "thr", NS.map(|n| format!("{:>15}", format!("n={n}"))).join(" "));
     for &dtype in dtypes {
@@ -172,7 +173,7 @@ fn few_rows(pools: &[rayon::ThreadPool], dtypes: &[DType], rng: &mut Rng) {
                 .iter()
                 .map(|&n| {
                     let (x, out) = (&x[..n * BIG], &mut out[..n * BIG]);
-                    p.install(|| time(Duration::from_millis(400), || matmul(w, x, n, out, Precision::Fast))) / n as f64
+                    p.install(|| time(Duration::from_millis(400), || matmul(w, x, n, out, precision))) / n as f64
                 })
                 .collect();
             let cells: Vec<String> = per_row

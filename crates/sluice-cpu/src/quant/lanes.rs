@@ -67,6 +67,11 @@ pub(crate) trait Lanes: Copy {
     /// Bytes of each row one [`Lanes::transpose`] reads.
     const WIN: usize;
 
+    /// Most tokens one straight pass over a tile carries (decode of a few sequences,
+    /// an expert's rows), each with its accumulators in registers. Four fit sixteen
+    /// registers; AVX-512 overrides it with eight.
+    const DIRECT_GROUP: usize = 4;
+
     /// Reads `WIN` bytes at `row(i) + off` of every row (all in bounds) and writes
     /// `WIN / 4` vectors to `out`: `out[j]` lane `i` is bytes `4j..4j + 4` of row `i`'s.
     unsafe fn transpose(t: &Tile, off: usize, out: *mut Self::I);

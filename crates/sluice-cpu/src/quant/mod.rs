@@ -219,7 +219,9 @@ unsafe fn run_tiles_as<S: Lanes, K: Kernel<S>, const TWO: bool>(job: &Job, tiles
                 let mut c = 0;
                 while c < job.n {
                     let left = job.n - c;
-                    c += if left >= 4 {
+                    c += if S::DIRECT_GROUP >= 8 && left >= 8 {
+                        direct_group::<S, K, 8, TWO>(&t, units, job, c, i)
+                    } else if left >= 4 {
                         direct_group::<S, K, 4, TWO>(&t, units, job, c, i)
                     } else if left >= 2 {
                         direct_group::<S, K, 2, TWO>(&t, units, job, c, i)
@@ -254,8 +256,8 @@ unsafe fn run_tiles_as<S: Lanes, K: Kernel<S>, const TWO: bool>(job: &Job, tiles
 }
 
 /// Batches of at most this many rows (decode steps of a few sequences, the rows an
-/// expert gets) take the decode path, each chunk unpacked once for all of them; more
-/// share a panel. Measured on AVX2 (4096 x 4096, 2 threads, per row against panels):
+/// expert gets) take the decode path, each chunk unpacked once for every
+/// [`Lanes::DIRECT_GROUP`] of them; more share a panel. Measured on AVX2 (4096 x 4096, 2 threads, per row against panels):
 /// Q4_K 0.72x at 2 rows, 0.80x at 4, 0.90x at 8; Q6_K 0.69x, 0.70x, 0.71x (8-bit
 /// activations; 0.76-1.0x with 16-bit); Q8_0 and Q4_1 0.9-1.0x.
 const DIRECT_MAX: usize = 8;

@@ -14,6 +14,12 @@ impl Lanes for Avx512 {
     type F = __m512;
 
     const WIN: usize = 64;
+    /// Thirty-two registers hold a chunk (eight) and eight tokens' states. Against two
+    /// passes of four, 8 rows of 4096 x 4096 ran 16% (Q4_K) and 31% (Q6_K) faster per
+    /// row with 8-bit activations (one core, hot), and decode of 8 sequences of
+    /// Qwen2.5-Coder-1.5B 21% faster (16-bit activations, whose `vpdpbusd` rate then
+    /// binds).
+    const DIRECT_GROUP: usize = 8;
 
     #[inline(always)]
     unsafe fn transpose(t: &Tile, off: usize, out: *mut __m512i) {
