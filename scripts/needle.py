@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 NEEDLE = "The secret passphrase for the archive is violet-falcon-42."
 QUESTION = "What is the secret passphrase for the archive? Answer with the passphrase only."
@@ -90,8 +91,11 @@ def main():
         text = cut(a.sluice, a.model, base, ctx - 96)
         for depth in [float(x) for x in a.depths.split(",")]:
             prompt = place(text, depth) + "\n\n" + QUESTION
+            # From a file: a long context is more than one argument may hold (128 KiB).
+            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+                f.write(prompt)
             for bits in a.kv_bits.split(","):
-                cmd = [a.sluice, "run", "--model", a.model, "--chat", "--prompt", prompt, "--temperature", "0",
+                cmd = [a.sluice, "run", "--model", a.model, "--chat", "--prompt-file", f.name, "--temperature", "0",
                        "-n", "16", "--kv-bits", bits, "--stats"]
                 if a.threads:
                     cmd += ["--threads", a.threads]
@@ -108,6 +112,7 @@ def main():
                 failed += not ok
                 print(f"| {ctx} | {depth:.0%} | {bits} | {'yes' if ok else 'NO'} | {answer[:40]} "
                       f"| {stats.get('prefill_tok_s', 0):.1f} | {stats.get('decode_tok_s', 0):.1f} |", flush=True)
+            os.unlink(f.name)
     sys.exit(1 if failed else 0)
 
 

@@ -28,6 +28,9 @@ pub struct RunArgs {
     /// Text to continue, or with --chat the user's message
     #[arg(long, short = 'p')]
     prompt: Option<String>,
+    /// Read the prompt from FILE (UTF-8), for prompts longer than a command line holds
+    #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
+    prompt_file: Option<PathBuf>,
     /// Use the model's chat template; without --prompt, chat interactively on stdin
     #[arg(long)]
     chat: bool,
@@ -457,9 +460,12 @@ fn stop_ids<B: Backend>(model: &Model<B>, tok: &Tokenizer) -> Vec<u32> {
     tok.stop_ids(&model.spec.eos_token_ids)
 }
 
-pub fn run(a: RunArgs) -> Result<()> {
+pub fn run(mut a: RunArgs) -> Result<()> {
+    if let Some(file) = &a.prompt_file {
+        a.prompt = Some(read_text(file)?);
+    }
     if a.prompt.is_none() && !a.chat {
-        return Err(Error::Usage("give --prompt TEXT, or --chat to chat".into()));
+        return Err(Error::Usage("give --prompt TEXT or --prompt-file FILE, or --chat to chat".into()));
     }
     if a.system.is_some() && !a.chat {
         return Err(Error::Usage("--system goes with --chat".into()));
@@ -688,8 +694,24 @@ fn logits_on<B: Backend>(a: &LogitsArgs, seqs: &[Vec<u32>], model: Model<B>) -> 
     Ok(())
 }
 
+/// Largest text file read whole (a prompt, a perplexity text): far more tokens than
+/// any model's context, and checked before the read allocates.
+const MAX_TEXT_FILE: u64 = 256 << 20;
+
+/// The whole of a UTF-8 text file, refused with its name when it is larger than
+/// [`MAX_TEXT_FILE`] or not UTF-8.
+fn read_text(path: &Path) -> Result<String> {
+    let len = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+    if len > MAX_TEXT_FILE {
+        return Err(Error::format(path, format!("{len} bytes; a text file is read whole, at most {MAX_TEXT_FILE}")));
+    }
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    String::from_utf8(bytes)
+        .map_err(|e| Error::format(path, format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to())))
+}
+
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.file).map_err(|e| Error::io(&a.file, e))?;
+    let text = read_text(&a.file)?;
     init_threads(a.engine.threads)?;
     let tok = load_tokenizer(&a.engine.model)?;
     let tokens = tok.encode(&text, true)?;
@@ -873,11 +895,11 @@ fn bench_on<B: Backend>(a: &BenchArgs, threads: usize, Loaded { model, load_s, w
             decode_fetch_wait_s: after.fetch_wait_s - before.fetch_wait_s,
         });
         let kv: usize = states.iter().map(|s| s.kv_bytes(&model.be)).sum();
-        let positions: usize = states.iter().map(|s| s.len()).sum();
-        last = Some((PhaseMs::from(&stats.timers), (kv, positions), stats.pilot));
+        let per_position = states[0].kv_bytes_per_position(&model.be);
+        last = Some((PhaseMs::from(&stats.timers), (kv, per_position), stats.pilot));
     }
     record_routing(&a.engine, &model)?;
-    let (phases, (kv, positions), pilot) = last.expect("at least one run");
+    let (phases, (kv, per_position), pilot) = last.expect("at least one run");
     let med = |f: fn(&BenchRun) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
     let p = med(|r| r.prefill_tok_s);
     let d = med(|r| r.decode_tok_s);
@@ -940,8 +962,9 @@ fn bench_on<B: Backend>(a: &BenchArgs, threads: usize, Loaded { model, load_s, w
             "peak_rss_bytes": rss,
             "kv_bits": model.kv_format.bits(),
             "kv_cache_bytes": kv,
-            // What the caches hold per position of the sequences, every layer together.
-            "kv_bytes_per_position": kv as f64 / positions.max(1) as f64,
+            // What one position of a sequence takes, every layer together, in the
+            // caches' formats (kv_cache_bytes also counts the buffers' spare room).
+            "kv_bytes_per_position": per_position,
             "weight_bytes_per_token": model.bytes_per_token,
             "memory_read_bytes_per_s": bw,
             "roofline_decode_tok_s": roofline,

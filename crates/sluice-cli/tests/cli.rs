@@ -222,6 +222,30 @@ fn stop_text_cuts_the_output() {
     assert_one_error(&sluice(&["run", "--model", m, "--prompt", "hi", "--stop", ""]), "--stop");
 }
 
+/// `--prompt-file` runs the file's text as `--prompt` would (a prompt too long for a
+/// command line); a missing or non-UTF-8 file, or both flags, get one error.
+#[test]
+fn prompt_file_is_the_prompt() {
+    let m = fixture("gemma3");
+    let m = m.to_str().unwrap();
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let (file, bad) = (tmp.join("prompt.txt"), tmp.join("prompt-latin1.txt"));
+    std::fs::write(&file, "The fox").unwrap();
+    std::fs::write(&bad, b"caf\xe9").unwrap();
+    let greedy = ["--temperature", "0", "--max-tokens", "8"];
+    let run = |source: [&str; 2]| {
+        let o = sluice(&[&["run", "--model", m], &source[..], &greedy[..]].concat());
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        o.stdout
+    };
+    assert_eq!(run(["--prompt-file", file.to_str().unwrap()]), run(["--prompt", "The fox"]));
+    let missing = tmp.join("no-such-prompt.txt");
+    assert_one_error(&sluice(&["run", "--model", m, "--prompt-file", missing.to_str().unwrap()]), "no-such-prompt.txt");
+    assert_one_error(&sluice(&["run", "--model", m, "--prompt-file", bad.to_str().unwrap()]), "not UTF-8");
+    let both = sluice(&["run", "--model", m, "--prompt", "hi", "--prompt-file", file.to_str().unwrap()]);
+    assert!(!both.status.success() && String::from_utf8_lossy(&both.stderr).contains("--prompt-file"));
+}
+
 #[test]
 fn inspect_describes_the_model() {
     let o = sluice(&["inspect", "--model", fixture("gemma4-moe").to_str().unwrap(), "--tensors"]);
@@ -516,6 +540,24 @@ fn bench_parallel_reports_the_aggregate() {
     assert!(j["device_experts"].is_null(), "{}", j["device_experts"]);
     let o = sluice(&["bench", "--model", m.to_str().unwrap(), "--parallel", "0"]);
     assert_one_error(&o, "--parallel");
+}
+
+/// `bench --json`'s `kv_bytes_per_position` is what one position takes in the caches'
+/// own formats, every layer's keys and values (`kv_cache_bytes` also counts the
+/// buffers' spare room): 4 bytes an element at 32 bits, 2 at 16, and at 4 bits the
+/// codes and one 16-bit scale per head.
+#[test]
+fn bench_reports_kv_bytes_per_position() {
+    let m = fixture("qwen3-moe");
+    let c: serde_json::Value = serde_json::from_slice(&std::fs::read(m.join("config.json")).unwrap()).unwrap();
+    let dim = |k: &str| c[k].as_u64().unwrap();
+    let (heads, head_dim) = (dim("num_hidden_layers") * 2 * dim("num_key_value_heads"), dim("head_dim"));
+    for (bits, per_head) in [("32", 4 * head_dim), ("16", 2 * head_dim), ("4", head_dim / 2 + 2)] {
+        let j = bench_json(m.to_str().unwrap(), &["--kv-bits", bits, "--gen-tokens", "3"]);
+        assert_eq!(j["kv_bytes_per_position"].as_u64(), Some(heads * per_head), "--kv-bits {bits}: {j}");
+        // 5 prompt tokens and 3 decoded: the buffers hold at least 8 positions.
+        assert!(j["kv_cache_bytes"].as_u64().unwrap() >= 8 * heads * per_head, "--kv-bits {bits}: {j}");
+    }
 }
 
 #[test]

@@ -775,6 +775,10 @@ impl Backend for Cuda {
         2 * kv.cap * kv.kv_dim * 4
     }
 
+    fn kv_bytes_per_position(&self, kv: &DevKv) -> usize {
+        2 * kv.kv_dim * 4
+    }
+
     fn kv_prefix(&self, kv: &DevKv, keep: usize) -> Result<Option<DevKv>> {
         let first = kv.window.map_or(0, |w| kv.len.saturating_sub(w));
         let from = kv.window.map_or(0, |w| keep.saturating_sub(w));

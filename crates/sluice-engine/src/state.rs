@@ -149,6 +149,20 @@ impl<B: Backend> SeqState<B> {
             .sum()
     }
 
+    /// Bytes one more position adds to the caches, every layer's in its own format
+    /// (a sliding layer's as long as its window is not full; recurrent states have a
+    /// fixed size and add nothing; indexer keys count once a position is held).
+    pub fn kv_bytes_per_position(&self, be: &B) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Kv(c) | LayerState::Latent(c) => be.kv_bytes_per_position(c),
+                LayerState::IndexedKv(c, keys) => be.kv_bytes_per_position(c) + 4 * keys.len() / self.len.max(1),
+                _ => 0,
+            })
+            .sum()
+    }
+
     /// A new state holding this one's first `keep` positions, or `None` when some layer
     /// cannot give them back: a recurrence has folded them in, a ring has gone past
     /// them. Lets a prompt that shares only a prefix with a kept sequence start after

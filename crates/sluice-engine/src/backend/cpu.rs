@@ -275,6 +275,10 @@ impl Backend for Cpu {
         kv.bytes()
     }
 
+    fn kv_bytes_per_position(&self, kv: &KvCache) -> usize {
+        kv.bytes_per_position()
+    }
+
     fn kv_prefix(&self, kv: &KvCache, keep: usize) -> Result<Option<KvCache>> {
         Ok(kv.prefix(keep))
     }

@@ -195,7 +195,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// An empty KV cache; fails on a format the backend cannot store.
     fn kv_new(&self, layout: &KvLayout) -> Result<Self::Kv>;
+    /// Bytes the buffers of `kv` hold (their room, not only the positions written).
     fn kv_bytes(&self, kv: &Self::Kv) -> usize;
+    /// Bytes one more position takes in `kv`, keys and values, in its format.
+    fn kv_bytes_per_position(&self, kv: &Self::Kv) -> usize;
     /// A new cache holding positions `0..keep` of `kv` (a ring: the last `window` of
     /// them), or `None` when `kv` no longer holds them all.
     fn kv_prefix(&self, kv: &Self::Kv, keep: usize) -> Result<Option<Self::Kv>>;
