@@ -99,7 +99,7 @@ pub struct EngineArgs {
     /// Activations against quantized weights: fast (8 bits, as llama.cpp), accurate
     /// (16 bits, logits within a few thousandths of f32; prefill 6-24% slower), or
     /// auto (accurate for decode steps and the prompt's last token, where it costs
-    /// at most a few percent; fast for the rest of the prompt)
+    /// at most a few percent; fast for the rest of the prompt; with serve, fast)
     #[arg(long, value_enum, default_value_t = PrecisionArg::Auto)]
     pub precision: PrecisionArg,
     /// Where the weights other than routed experts live: memory (read into sluice's

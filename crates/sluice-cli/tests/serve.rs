@@ -163,11 +163,11 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
     }
 }
 
-/// `sluice run` greedy on `prompt`: (what it printed, without the echoed prompt or the
-/// final newline).
+/// `sluice run` greedy on `prompt` at the server's default precision (fast): (what it
+/// printed, without the echoed prompt or the final newline).
 fn run_greedy(model: &Path, prompt: &str, chat: bool, max_tokens: usize) -> String {
     let mut c = Command::new(env!("CARGO_BIN_EXE_sluice"));
-    c.args(["run", "--model", model.to_str().unwrap(), "--prompt", prompt, "--threads", "2"]);
+    c.args(["run", "--model", model.to_str().unwrap(), "--prompt", prompt, "--threads", "2", "--precision", "fast"]);
     if chat {
         c.arg("--chat");
     }
