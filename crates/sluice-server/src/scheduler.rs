@@ -5,9 +5,9 @@
 //! samples, streams text out, and retires what has finished or whose client has gone.
 //!
 //! A prompt runs as `sluice run` runs it ([`sluice_engine::Model::prefill`]): all but
-//! its last token in chunks of several tokens, then the last token alone, so that with
-//! the model's per-sequence precision the logits of every sampled token are the
-//! accurate ones and greedy output through the server is the same as `sluice run`.
+//! its last token in chunks of several tokens, then the last token alone, so that
+//! greedy output through the server is the same as `sluice run` at the same
+//! `--precision` (`serve` takes fast for auto: its steps carry many rows).
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
