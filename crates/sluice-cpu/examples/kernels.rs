@@ -10,8 +10,9 @@
 //! - decode on one 4096 x 4096 matrix repeated (cache-resident where it fits);
 //! - prefill (n = 128) on 4096 x 4096: GFLOP/s (2 * rows * cols * n per call).
 //!
-//! With `--rows` (and `--accurate` for 16-bit activations), a few rows on the hot 4096 x 4096 matrix (n = 1, 2, 4, 8, 16, the
-//! decode steps of a few sequences and the rows an expert gets): integer
+//! With `--rows` (`--accurate`: 16-bit activations), a few rows on the hot 4096 x 4096
+//! matrix (n = 1, 2, 4, 8, 16, the decode steps of a few sequences and the rows an
+//! expert gets): integer
 //! multiply-accumulates per second (rows * cols * n per call) and time per row against
 //! n = 1, to see where arithmetic binds.
 //!

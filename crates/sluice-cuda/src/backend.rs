@@ -772,7 +772,7 @@ impl Backend for Cuda {
     }
 
     fn kv_bytes(&self, kv: &DevKv) -> usize {
-        2 * kv.cap * kv.kv_dim * 4
+        kv.cap * self.kv_bytes_per_position(kv)
     }
 
     fn kv_bytes_per_position(&self, kv: &DevKv) -> usize {

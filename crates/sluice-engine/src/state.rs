@@ -149,6 +149,11 @@ impl<B: Backend> SeqState<B> {
             .sum()
     }
 
+    /// Floats per position of an indexed layer's keys (0 before the first position).
+    fn index_width(&self, keys: &[f32]) -> usize {
+        keys.len() / self.len.max(1)
+    }
+
     /// Bytes one more position adds to the caches, every layer's in its own format
     /// (a sliding layer's as long as its window is not full; recurrent states have a
     /// fixed size and add nothing; indexer keys count once a position is held).
@@ -157,7 +162,7 @@ impl<B: Backend> SeqState<B> {
             .iter()
             .map(|l| match l {
                 LayerState::Kv(c) | LayerState::Latent(c) => be.kv_bytes_per_position(c),
-                LayerState::IndexedKv(c, keys) => be.kv_bytes_per_position(c) + 4 * keys.len() / self.len.max(1),
+                LayerState::IndexedKv(c, keys) => be.kv_bytes_per_position(c) + 4 * self.index_width(keys),
                 _ => 0,
             })
             .sum()
@@ -183,10 +188,7 @@ impl<B: Backend> SeqState<B> {
                     None => return Ok(None),
                 },
                 LayerState::IndexedKv(c, keys) => match be.kv_prefix(c, keep)? {
-                    Some(c) => {
-                        let width = keys.len() / self.len.max(1);
-                        LayerState::IndexedKv(c, keys[..keep * width].to_vec())
-                    }
+                    Some(c) => LayerState::IndexedKv(c, keys[..keep * self.index_width(keys)].to_vec()),
                     None => return Ok(None),
                 },
                 LayerState::SharedKv(src) => LayerState::SharedKv(*src),
