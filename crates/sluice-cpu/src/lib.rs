@@ -22,4 +22,4 @@ pub mod router;
 pub use attention::{AttnParams, AttnSeq, KvCache, attention};
 pub use dot::{dot_f32, dot_row, row_to_f32};
 pub use isa::{Isa, isa, set_avx2_vnni, set_isa};
-pub use matmul::{matmul, matmul_many};
+pub use matmul::{Product, matmul, matmul_grouped, matmul_many};

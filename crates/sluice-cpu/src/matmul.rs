@@ -23,7 +23,7 @@ pub fn matmul(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32], p: Precision)
         return;
     }
     if w.dtype.is_quantized() {
-        crate::quant::matmul_many(&[w], x, n, &mut [out], p)
+        crate::quant::matmul_grouped(&mut [&mut Product { w, x, n, out, precision: p }])
     } else {
         crate::plain::matmul(w, x, n, out)
     }
@@ -36,16 +36,47 @@ pub fn matmul(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32], p: Precision)
 /// costs a hand-off and a wait for the slowest part.
 pub fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n: usize, outs: &mut [&mut [f32]], p: Precision) {
     assert_eq!(ws.len(), outs.len(), "matmul_many: {} matrices but {} outputs", ws.len(), outs.len());
-    let shared = ws.iter().all(|w| w.dtype.is_quantized() && w.rows > 0 && w.cols > 0 && w.cols == ws[0].cols);
-    if ws.len() < 2 || n == 0 || !shared {
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            matmul(*w, x, n, out, p);
+    let mut products: Vec<Product<'_>> =
+        ws.iter().zip(outs.iter_mut()).map(|(&w, out)| Product { w, x, n, out, precision: p }).collect();
+    matmul_grouped(&mut products);
+}
+
+/// One product of [`matmul_grouped`]: `out = x · wᵀ` over `n` rows.
+pub struct Product<'a> {
+    pub w: MatRef<'a>,
+    /// `[n, w.cols]`, row-major.
+    pub x: &'a [f32],
+    pub n: usize,
+    /// `[n, w.rows]`, row-major.
+    pub out: &'a mut [f32],
+    pub precision: Precision,
+}
+
+/// Products with inputs of their own (the experts of a MoE layer, each on the rows
+/// routed to it): bitwise what separate [`matmul`] calls give, but the quantized
+/// ones as one parallel job, their tiles in one index space split by their cost.
+/// A layer's experts are dozens of small products when several sequences step
+/// together; splitting each over the threads costs a hand-off and a wait per product
+/// (measured on Qwen3-30B-A3B's experts, 8 rows, 2 threads: 172 us an expert split
+/// one by one, 123 us grouped). Inputs shared by several products (the same slice)
+/// are quantized once.
+pub fn matmul_grouped(products: &mut [Product<'_>]) {
+    for p in products.iter() {
+        assert_eq!(p.x.len(), p.n * p.w.cols, "matmul: input is not [{}, {}]", p.n, p.w.cols);
+        assert_eq!(p.out.len(), p.n * p.w.rows, "matmul: output is not [{}, {}]", p.n, p.w.rows);
+    }
+    let mut quantized = Vec::new();
+    for p in products.iter_mut() {
+        if p.n == 0 || p.w.rows == 0 {
+            continue;
         }
-        return;
+        if p.w.cols == 0 {
+            p.out.fill(0.0);
+        } else if p.w.dtype.is_quantized() {
+            quantized.push(p);
+        } else {
+            crate::plain::matmul(p.w, p.x, p.n, p.out);
+        }
     }
-    for (w, out) in ws.iter().zip(outs.iter()) {
-        assert_eq!(x.len(), n * w.cols, "matmul_many: input is not [{n}, {}]", w.cols);
-        assert_eq!(out.len(), n * w.rows, "matmul_many: output is not [{n}, {}]", w.rows);
-    }
-    crate::quant::matmul_many(ws, x, n, outs, p)
+    crate::quant::matmul_grouped(&mut quantized);
 }

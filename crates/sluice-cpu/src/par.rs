@@ -15,22 +15,32 @@ const MIN_COST_PER_TASK: usize = 48 << 10;
 /// Calls `f` on contiguous ranges covering `0..items`, in parallel when `cost` is
 /// large enough to pay for it.
 pub(crate) fn for_each_range(items: usize, cost: usize, f: impl Fn(Range<usize>) + Sync) {
-    let tasks = rayon::current_num_threads().min(items).min(cost / MIN_COST_PER_TASK).max(1);
+    let tasks = tasks_for(items, cost);
+    for_each_part(tasks, &|t| t * items / tasks, f);
+}
+
+/// How many tasks `items` items of `cost` in all are worth.
+pub(crate) fn tasks_for(items: usize, cost: usize) -> usize {
+    rayon::current_num_threads().min(items).min(cost / MIN_COST_PER_TASK).max(1)
+}
+
+/// Calls `f` on `bound(t)..bound(t + 1)` for every task `t < tasks`, in parallel.
+pub(crate) fn for_each_part(tasks: usize, bound: &(impl Fn(usize) -> usize + Sync), f: impl Fn(Range<usize>) + Sync) {
     if tasks == 1 {
-        f(0..items);
+        f(bound(0)..bound(1));
     } else {
-        split(0, tasks, items, tasks, &f);
+        split(0, tasks, bound, &f);
     }
 }
 
-/// Runs tasks `lo..hi` of `tasks` (task `t` covers items `t * items / tasks ..`) by
-/// halving with `rayon::join`, the cheapest way to start a handful of tasks.
-fn split(lo: usize, hi: usize, items: usize, tasks: usize, f: &(impl Fn(Range<usize>) + Sync)) {
+/// Runs tasks `lo..hi` by halving with `rayon::join`, the cheapest way to start a
+/// handful of tasks.
+fn split(lo: usize, hi: usize, bound: &(impl Fn(usize) -> usize + Sync), f: &(impl Fn(Range<usize>) + Sync)) {
     if hi - lo == 1 {
-        f(lo * items / tasks..(lo + 1) * items / tasks);
+        f(bound(lo)..bound(lo + 1));
     } else {
         let mid = (lo + hi) / 2;
-        rayon::join(|| split(lo, mid, items, tasks, f), || split(mid, hi, items, tasks, f));
+        rayon::join(|| split(lo, mid, bound, f), || split(mid, hi, bound, f));
     }
 }
 

@@ -27,7 +27,9 @@ use std::sync::Mutex;
 use common::{ALL, Rng, random_input, random_matrix};
 use sluice_core::quant::dequantize_row;
 use sluice_core::{DType, MatRef, Precision};
-use sluice_cpu::{Isa, dot_f32, dot_row, isa, matmul, matmul_many, row_to_f32, set_avx2_vnni, set_isa};
+use sluice_cpu::{
+    Isa, Product, dot_f32, dot_row, isa, matmul, matmul_grouped, matmul_many, row_to_f32, set_avx2_vnni, set_isa,
+};
 
 static ISA_LOCK: Mutex<()> = Mutex::new(());
 
@@ -168,14 +170,15 @@ fn all_formats_all_isas_match_reference() {
 }
 
 /// A prefill-sized batch (n = 128, several panel passes and a remainder group) and
-/// decode-path batches of a few rows (n = 7: groups of 4, 2 and 1; n = 8) give
-/// bitwise the rows of one-token calls, on every variant and at both precisions.
+/// decode-path batches of a few rows (n = 3, 6, 7: passes with spare slots, or
+/// groups of 4 and 2; n = 8) give bitwise the rows of one-token calls, on every
+/// variant and at both precisions.
 #[test]
 fn batch_equals_one_token_at_a_time() {
     let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let mut rng = Rng(2);
     for dtype in ALL {
-        for n in [7, 8, 128] {
+        for n in [3, 6, 7, 8, 128] {
             let (rows, cols) = (21, if dtype.block_elems() == 256 { 512 } else { 160 });
             let bytes = random_matrix(dtype, rows, cols, &mut rng);
             let x = random_input(n, cols, &mut rng);
@@ -374,6 +377,46 @@ fn matmul_many_equals_separate_calls() {
         for (i, ((d, rows, bytes), got)) in mats.iter().zip(&outs).enumerate() {
             let want = run(*d, bytes, *rows, cols, &x, n, p);
             assert_bitwise(&format!("matrix {i} ({d}) {p:?} n={n}"), got, &want);
+        }
+    }
+}
+
+/// `matmul_grouped` gives each product bitwise what `matmul` alone gives: products
+/// with inputs of their own and one shared, rows from 1 to 9 (one-row, decode-path
+/// and panel kernels in one call), quantized and plain formats, both precisions.
+#[test]
+fn matmul_grouped_equals_separate_calls() {
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    select(best());
+    let mut rng = Rng(10);
+    let cols = 512;
+    let shapes =
+        [(DType::Q4K, 48, 3), (DType::Q6K, 300, 1), (DType::Q4K, 37, 9), (DType::Q8_0, 16, 2), (DType::F16, 20, 3)];
+    let mats: Vec<(DType, usize, usize, Vec<u8>)> =
+        shapes.into_iter().map(|(d, rows, n)| (d, rows, n, random_matrix(d, rows, cols, &mut rng))).collect();
+    let inputs: Vec<Vec<f32>> = mats.iter().map(|&(_, _, n, _)| random_input(n, cols, &mut rng)).collect();
+    for (k, p) in PRECISIONS.into_iter().enumerate() {
+        // The first two products share an input (as an expert's gate and up do),
+        // and the precision alternates product by product.
+        let x_of = |i: usize| if i == 1 { &inputs[0][..cols] } else { &inputs[i][..] };
+        let n_of = |i: usize| if i == 1 { 1 } else { mats[i].2 };
+        let prec = |i: usize| PRECISIONS[(i + k) % 2];
+        let mut outs: Vec<Vec<f32>> = (0..mats.len()).map(|i| vec![f32::NAN; n_of(i) * mats[i].1]).collect();
+        let mut products: Vec<Product> = outs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, out)| {
+                let (d, rows, _, bytes) = &mats[i];
+                let w = MatRef::new(*d, *rows, cols, bytes).unwrap();
+                Product { w, x: x_of(i), n: n_of(i), out, precision: prec(i) }
+            })
+            .collect();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        pool.install(|| matmul_grouped(&mut products));
+        for (i, got) in outs.iter().enumerate() {
+            let (d, rows, _, bytes) = &mats[i];
+            let want = run(*d, bytes, *rows, cols, x_of(i), n_of(i), prec(i));
+            assert_bitwise(&format!("product {i} ({d}) {:?}, pass {p:?}", prec(i)), got, &want);
         }
     }
 }

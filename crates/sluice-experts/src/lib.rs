@@ -253,6 +253,14 @@ impl ExpertLease<'_> {
         }
     }
 
+    /// Whether expert `id` can be taken without waiting for its read.
+    pub fn is_ready(&self, id: usize) -> bool {
+        match &self.inner {
+            Inner::Ready { .. } => true,
+            Inner::Stream(s) => s.is_ready(self.index(id)),
+        }
+    }
+
     /// Takes every expert in turn: whether all of them can be read.
     pub fn wait_all(&self) -> Result<()> {
         self.order().into_iter().try_for_each(|id| self.take(id).map(drop))

@@ -156,6 +156,11 @@ impl Load {
         self.done.notify_all();
     }
 
+    /// Whether the load has ended (read or failed): [`wait`](Self::wait) would not block.
+    pub fn is_done(&self) -> bool {
+        self.outcome.lock().unwrap().is_some()
+    }
+
     /// Blocks until every chunk is read or the load failed.
     pub fn wait(&self) -> Result<(), LoadError> {
         let mut o = self.outcome.lock().unwrap();

@@ -84,6 +84,15 @@ impl<'a> Stream<'a> {
         Duration::from_nanos(self.waited_ns.load(Ordering::Relaxed))
     }
 
+    /// Whether item `i` can be taken without waiting: in memory, or its read ended.
+    pub fn is_ready(&self, i: usize) -> bool {
+        match &self.state.lock().unwrap().items[i] {
+            Item::Slot { load: None, .. } => true,
+            Item::Slot { load: Some(load), .. } | Item::Owned { load, .. } => load.is_done(),
+            Item::Queued | Item::Done => false,
+        }
+    }
+
     /// Item `i`'s bytes, once its read has ended.
     pub fn take(&self, i: usize) -> Result<Src<'_>> {
         let mats = &self.parts.le.plans[self.ids[i]].mats;

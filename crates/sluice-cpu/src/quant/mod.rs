@@ -41,8 +41,9 @@ use std::ops::Range;
 
 use sluice_core::{DType, MatRef, Precision};
 
+use crate::Product;
 use crate::isa::{Isa, isa};
-use crate::par::{OutPtr, for_each_range};
+use crate::par::{OutPtr, for_each_part, tasks_for};
 use act::{ActKind, QAct, Tok};
 use kernel::{Kernel, Panel, direct};
 use lanes::{Lanes, Tile};
@@ -74,43 +75,83 @@ struct Job<'a> {
 /// Computes the rows of `tiles` (tile `i` is rows `i * lanes..`) for every token.
 type TilesFn = unsafe fn(&Job, Range<usize>);
 
-/// `outs[i] = x · W_iᵀ` for quantized matrices sharing their input (the same
-/// `cols`); see [`crate::matmul_many`].
-pub(crate) fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n: usize, outs: &mut [&mut [f32]], p: Precision) {
-    let parts = match p {
-        Precision::Fast => 1,
-        Precision::Accurate => 2,
-    };
-    // One quantization of `x` per kind of activations the formats ask for.
-    let mut acts: Vec<(ActKind, QAct)> = Vec::new();
-    for w in ws {
-        let kind = act_kind(w.dtype);
-        if !acts.iter().any(|(k, _)| *k == kind) {
-            acts.push((kind, QAct::new(kind, x, n, w.cols, parts)));
+/// Quantized products, each on its own input (inputs that are the same slice are
+/// quantized once per kind of activations); see [`crate::matmul_grouped`].
+pub(crate) fn matmul_grouped(products: &mut [&mut Product<'_>]) {
+    // One quantization per input, kind of activations and precision.
+    let mut acts: Vec<(ActKey, QAct)> = Vec::new();
+    for p in products.iter() {
+        let key = (p.x.as_ptr(), p.n, act_kind(p.w.dtype), parts(p.precision));
+        if !acts.iter().any(|(k, _)| *k == key) {
+            acts.push((key, QAct::new(key.2, p.x, p.n, p.w.cols, key.3)));
         }
     }
-    // Every matrix's tiles in one index space, so one split of the threads covers all.
-    let mut jobs = Vec::with_capacity(ws.len());
-    let (mut tiles, mut cost) = (0, 0);
-    for (i, w) in ws.iter().enumerate() {
-        let kind = act_kind(w.dtype);
-        let act = &acts.iter().find(|(k, _)| *k == kind).expect("quantized above").1;
-        let (lanes, f) = kernel_for(isa(), w.dtype);
-        let out = OutPtr::new(outs[i], w.rows);
-        let count = w.rows.div_ceil(lanes);
-        jobs.push((Job { w: *w, act, n, parts, out }, f, tiles..tiles + count));
+    // Every product's tiles in one index space, so one split of the threads covers
+    // all, cut where the tiles' cost is shared evenly.
+    let mut parts_of = Vec::with_capacity(products.len());
+    let (mut tiles, mut cost, mut weight) = (0, 0, 0);
+    for p in products.iter_mut() {
+        let key = (p.x.as_ptr(), p.n, act_kind(p.w.dtype), parts(p.precision));
+        let act = &acts.iter().find(|(k, _)| *k == key).expect("quantized above").1;
+        let (lanes, f) = kernel_for(isa(), p.w.dtype);
+        let count = p.w.rows.div_ceil(lanes);
+        // A tile's time grows with its rows, from a start that the unpacking of its
+        // weights costs (an expert's products, per row against one: about 1.4x at 2
+        // rows, 1.8x at 4, 2.8x at 8).
+        let per_tile = p.w.row_bytes() * lanes * (p.n + 3);
+        let job = Job { w: p.w, act, n: p.n, parts: key.3, out: OutPtr::new(p.out, p.w.rows) };
+        parts_of.push(Span { job, f, tiles: tiles..tiles + count, before: weight, per_tile });
         tiles += count;
+        weight += count * per_tile;
         // Work is counted in units of "weight bytes times tokens", what time follows.
-        cost += w.data.len() * n;
+        cost += p.w.data.len() * p.n;
     }
-    for_each_range(tiles, cost, |r| {
-        for (job, f, span) in &jobs {
-            let (lo, hi) = (r.start.max(span.start), r.end.min(span.end));
+    if tiles == 0 {
+        return;
+    }
+    let tasks = tasks_for(tiles, cost);
+    // The first tile of task `t`: where the cost before it reaches `t / tasks` of the whole.
+    let bound = |t: usize| {
+        if t == 0 {
+            return 0;
+        }
+        if t == tasks {
+            return tiles;
+        }
+        let target = weight * t / tasks;
+        let s = parts_of.iter().rev().find(|s| s.before <= target).expect("the first product starts at 0");
+        (s.tiles.start + (target - s.before).div_ceil(s.per_tile)).min(s.tiles.end)
+    };
+    for_each_part(tasks, &bound, |r| {
+        for s in &parts_of {
+            let (lo, hi) = (r.start.max(s.tiles.start), r.end.min(s.tiles.end));
             if lo < hi {
-                unsafe { f(job, lo - span.start..hi - span.start) };
+                unsafe { (s.f)(&s.job, lo - s.tiles.start..hi - s.tiles.start) };
             }
         }
     });
+}
+
+/// One product's place in a grouped call's index space.
+struct Span<'a> {
+    job: Job<'a>,
+    f: TilesFn,
+    tiles: Range<usize>,
+    /// The cost of the tiles before these, and of each of these.
+    before: usize,
+    per_tile: usize,
+}
+
+/// An input as quantized: where it lies, its rows, the kind of activations and
+/// bytes per element.
+type ActKey = (*const f32, usize, ActKind, usize);
+
+/// Bytes per activation element: 1 (8 bits) or 2 (16).
+fn parts(p: Precision) -> usize {
+    match p {
+        Precision::Fast => 1,
+        Precision::Accurate => 2,
+    }
 }
 
 /// The tile width and tile function for an ISA and format.
@@ -212,21 +253,25 @@ unsafe fn run_tiles_as<S: Lanes, K: Kernel<S>, const TWO: bool>(job: &Job, tiles
             return;
         }
         // A few input rows: straight from the weights, each chunk unpacked once for
-        // all of them, no panel.
+        // all of them, no panel. A pass costs about the same whether its last slots
+        // carry tokens or not (the unpacking is shared), so 3 rows take a pass of 4
+        // and 6 or 7 one of 8 rather than 2 + 1 or 4 + 2 (+ 1): an expert gets any
+        // number of rows (Qwen3-30B-A3B's expert products, 2 threads: 3 rows 198 ->
+        // 153 us, what 4 rows take).
         if job.n <= DIRECT_MAX {
             for i in tiles {
                 let t = Tile::new(w.data, rb, rows, i * S::N, S::N);
                 let mut c = 0;
                 while c < job.n {
                     let left = job.n - c;
-                    c += if S::DIRECT_GROUP >= 8 && left >= 8 {
-                        direct_group::<S, K, 8, TWO>(&t, units, job, c, i)
-                    } else if left >= 4 {
-                        direct_group::<S, K, 4, TWO>(&t, units, job, c, i)
-                    } else if left >= 2 {
-                        direct_group::<S, K, 2, TWO>(&t, units, job, c, i)
+                    c += if S::DIRECT_GROUP >= 8 && left >= 6 {
+                        direct_group::<S, K, 8, TWO>(&t, units, job, c, left.min(8), i)
+                    } else if left >= 3 {
+                        direct_group::<S, K, 4, TWO>(&t, units, job, c, left.min(4), i)
+                    } else if left == 2 {
+                        direct_group::<S, K, 2, TWO>(&t, units, job, c, 2, i)
                     } else {
-                        direct_group::<S, K, 1, TWO>(&t, units, job, c, i)
+                        direct_group::<S, K, 1, TWO>(&t, units, job, c, 1, i)
                     };
                 }
             }
@@ -262,20 +307,28 @@ unsafe fn run_tiles_as<S: Lanes, K: Kernel<S>, const TWO: bool>(job: &Job, tiles
 /// activations; 0.76-1.0x with 16-bit); Q8_0 and Q4_1 0.9-1.0x.
 const DIRECT_MAX: usize = 8;
 
-/// Tokens `c0..c0 + C` straight against tile `i`; returns `C`.
+/// Tokens `c0..c0 + real` straight against tile `i` in a pass of `C` (`real <= C`):
+/// the slots past `real` repeat the last token into a spare output (each token's
+/// arithmetic is its own, so the real ones' results do not change). Returns `real`.
 #[inline(always)]
 unsafe fn direct_group<S: Lanes, K: Kernel<S>, const C: usize, const TWO: bool>(
     t: &Tile,
     units: usize,
     job: &Job,
     c0: usize,
+    real: usize,
     i: usize,
 ) -> usize {
-    let toks: [Tok; C] = std::array::from_fn(|c| job.act.tok(c0 + c));
-    let outs = std::array::from_fn(|c| job.out.at(c0 + c, i * S::N));
+    debug_assert!((1..=C).contains(&real) && S::N <= SPARE);
+    let mut spare = [0f32; SPARE];
+    let toks: [Tok; C] = std::array::from_fn(|c| job.act.tok(c0 + c.min(real - 1)));
+    let outs = std::array::from_fn(|c| if c < real { job.out.at(c0 + c, i * S::N) } else { spare.as_mut_ptr() });
     unsafe { direct::<S, K, C, TWO>(t, units, &toks, outs) };
-    C
+    real
 }
+
+/// Room for one tile's outputs (the widest lanes: sixteen rows on AVX-512).
+const SPARE: usize = 16;
 
 /// Tokens `c0..c0 + C` against tile `i`'s panel; returns `C`.
 #[inline(always)]
@@ -331,6 +384,6 @@ impl Drop for Scratch {
 pub(crate) fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     let w = MatRef::new(dtype, 1, x.len(), row).expect("dot_row: row is not x.len() elements");
     let mut out = [0f32];
-    matmul_many(&[w], x, 1, &mut [&mut out], Precision::Fast);
+    matmul_grouped(&mut [&mut Product { w, x, n: 1, out: &mut out, precision: Precision::Fast }]);
     out[0]
 }

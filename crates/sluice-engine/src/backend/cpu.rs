@@ -4,8 +4,8 @@
 use sluice_core::{Activation, Glu, KvLayout, MatRef, Precision, Result, RopeSpec};
 use sluice_cpu::delta::{DeltaRows, DeltaWeights, gated_delta_net};
 use sluice_cpu::router::RouteParams;
-use sluice_cpu::{AttnParams, AttnSeq, KvCache};
-use sluice_experts::{ExpertLease, ExpertStore, FetchMode};
+use sluice_cpu::{AttnParams, AttnSeq, KvCache, Product};
+use sluice_experts::{ExpertLease, ExpertRef, ExpertStore, FetchMode};
 use sluice_formats::TensorView;
 
 use super::{AttnOp, Backend, DeltaOp, ExpertFfn, HeadCols, Norm, RouterOp, check_head_cols};
@@ -89,10 +89,73 @@ impl Cpu {
     }
 }
 
-/// Adds `bias[e * width..]` to every row of `x`.
-fn add_expert_bias(x: &mut HostAct, bias: &[f32], e: usize) {
-    let b = &bias[e * x.cols..(e + 1) * x.cols];
-    x.data.chunks_mut(x.cols).for_each(|r| r.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+/// Adds `bias[e * width..]` to every row of `x` (rows of `width`).
+fn add_expert_bias(x: &mut [f32], width: usize, bias: &[f32], e: usize) {
+    let b = &bias[e * width..(e + 1) * width];
+    x.chunks_mut(width).for_each(|r| r.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+}
+
+/// One expert's rows at one precision: the slots routed to it (`row * top_k + j`),
+/// their inputs, and what its products give.
+struct ExpertRows<'t> {
+    e: usize,
+    mats: ExpertRef<'t>,
+    slots: Vec<usize>,
+    precision: Precision,
+    x: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+}
+
+impl<'t> ExpertRows<'t> {
+    fn new(e: usize, mats: ExpertRef<'t>, slots: Vec<usize>, precision: Precision, x: &HostAct, k: usize) -> Self {
+        let n = slots.len();
+        let (inter, hidden) = (mats.gate.rows, mats.down.rows);
+        ExpertRows {
+            e,
+            mats,
+            precision,
+            x: x.gather(slots.iter().map(|s| s / k)).data,
+            gate: vec![0.0; n * inter],
+            up: vec![0.0; n * inter],
+            down: vec![0.0; n * hidden],
+            slots,
+        }
+    }
+}
+
+/// The expert FFN of every part: their gate and up products as one grouped call,
+/// then their down products as another (a layer's experts on a few rows each are
+/// dozens of small products; one split of the threads per phase, not per product).
+fn expert_products(parts: &mut [ExpertRows<'_>], ffn: &ExpertFfn<Cpu>) {
+    let mut products = Vec::with_capacity(2 * parts.len());
+    for ExpertRows { mats, slots, precision, x, gate, up, .. } in parts.iter_mut() {
+        let (n, precision) = (slots.len(), *precision);
+        products.push(Product { w: mats.gate, x, n, out: gate, precision });
+        products.push(Product { w: mats.up, x, n, out: up, precision });
+    }
+    sluice_cpu::matmul_grouped(&mut products);
+    drop(products);
+    for part in parts.iter_mut() {
+        let inter = part.mats.gate.rows;
+        if let Some(b) = &ffn.bias {
+            add_expert_bias(&mut part.gate, inter, &b.gate, part.e);
+            add_expert_bias(&mut part.up, inter, &b.up, part.e);
+        }
+        sluice_cpu::ops::glu_any(ffn.glu, &mut part.gate, &part.up);
+    }
+    let mut products: Vec<Product<'_>> = parts
+        .iter_mut()
+        .map(|p| Product { w: p.mats.down, x: &p.gate, n: p.slots.len(), out: &mut p.down, precision: p.precision })
+        .collect();
+    sluice_cpu::matmul_grouped(&mut products);
+    drop(products);
+    if let Some(b) = &ffn.bias {
+        for part in parts.iter_mut() {
+            add_expert_bias(&mut part.down, part.mats.down.rows, &b.down, part.e);
+        }
+    }
 }
 
 impl Backend for Cpu {
@@ -353,32 +416,46 @@ impl Backend for Cpu {
         ffn: &ExpertFfn<Self>,
     ) -> Result<HostAct> {
         let k = routing.top_k;
+        // Each expert's slots (`row * top_k + j`), in one pass over the routing.
+        let mut slots_of: Vec<Vec<usize>> = Vec::new();
+        for (s, &e) in routing.ids.iter().enumerate() {
+            let e = e as usize;
+            if slots_of.len() <= e {
+                slots_of.resize(e + 1, Vec::new());
+            }
+            slots_of[e].push(s);
+        }
         let mut per_slot: Vec<Option<Vec<f32>>> = vec![None; routing.ids.len()];
-        // Each expert as its bytes arrive (the store reads the others meanwhile).
-        for e in experts.order() {
-            // The (row, slot) pairs routed to this expert, gathered into one batch,
-            // each row at its own precision.
-            let slots: Vec<usize> = (0..routing.ids.len()).filter(|&s| routing.ids[s] as usize == e).collect();
-            let taken = experts.take(e)?;
-            if slots.is_empty() {
-                continue;
+        let order = experts.order();
+        let mut next = 0;
+        while next < order.len() {
+            // The next expert (waiting for its read if it has not ended) and every
+            // later one already in memory, as one grouped product; the store reads
+            // the others meanwhile.
+            let mut taken = Vec::new();
+            loop {
+                taken.push((order[next], experts.take(order[next])?));
+                next += 1;
+                if next == order.len() || !experts.is_ready(order[next]) {
+                    break;
+                }
             }
-            let xe = x.gather(slots.iter().map(|s| s / k));
-            let precision = self.precision.gather(slots.iter().map(|s| s / k));
-            let m = taken.mats();
-            let [mut g, mut u]: [HostAct; 2] =
-                self.matmul_many_host(&[m.gate, m.up], &xe, &precision).try_into().expect("two outputs");
-            if let Some(b) = &ffn.bias {
-                add_expert_bias(&mut g, &b.gate, e);
-                add_expert_bias(&mut u, &b.up, e);
+            let mut parts = Vec::new();
+            for (e, t) in &taken {
+                let slots = slots_of.get(*e).map_or(&[][..], Vec::as_slice);
+                // Each row at its own precision.
+                for p in [Precision::Accurate, Precision::Fast] {
+                    let own: Vec<usize> = slots.iter().copied().filter(|s| self.precision.of(s / k) == p).collect();
+                    if !own.is_empty() {
+                        parts.push(ExpertRows::new(*e, t.mats(), own, p, x, k));
+                    }
+                }
             }
-            sluice_cpu::ops::glu_any(ffn.glu, &mut g.data, &u.data);
-            let mut d = self.matmul_host(m.down, &g, &precision);
-            if let Some(b) = &ffn.bias {
-                add_expert_bias(&mut d, &b.down, e);
-            }
-            for (r, &s) in slots.iter().enumerate() {
-                per_slot[s] = Some(d.row(r).to_vec());
+            expert_products(&mut parts, ffn);
+            for part in &parts {
+                for (r, &s) in part.slots.iter().enumerate() {
+                    per_slot[s] = Some(part.down[r * x.cols..(r + 1) * x.cols].to_vec());
+                }
             }
         }
         // Sum each row's experts in router order, so the result does not depend on
