@@ -416,6 +416,10 @@ impl<B: Backend> Model<B> {
             }
             state.advance(p.len);
         }
+        // One part takes the logits whole; several take a copy of their rows each.
+        if let [_] = counts[..] {
+            return Ok(vec![logits]);
+        }
         let vocab = self.spec.vocab_size;
         let mut at = 0;
         Ok(counts
@@ -445,7 +449,7 @@ impl<B: Backend> Model<B> {
                 if let Some(cap) = self.spec.final_logit_softcap {
                     be.softcap(&mut l, cap)?;
                 }
-                be.to_host(&l)
+                be.to_host_owned(l)
             },
         )
     }

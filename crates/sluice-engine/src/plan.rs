@@ -430,7 +430,7 @@ pub struct Prediction {
     pub decode_tok_s: f64,
     pub prefill_tok_s: f64,
     /// Per decoded token: the products on weights in memory and the attention, and
-    /// expert reads from disk.
+    /// expert reads from disk (streamed, they overlap the expert products).
     pub decode_memory_s: f64,
     pub decode_disk_s: f64,
     /// Expected hit rate of the expert cache in decode (streamed).
@@ -445,6 +445,7 @@ pub struct Prediction {
 /// Predicts decode (after a short prompt) and prefill speed (of a [`PROMPT`]-token prompt).
 pub fn predict(p: &Profile, at: &Placement, m: &Machine, hist: Option<&RoutingHistogram>) -> Prediction {
     let mut decode_memory_s = 0.0;
+    let mut decode_experts_s = 0.0;
     let mut prefill_compute_s = 0.0;
     for (a, t) in p.attention.iter().zip(&m.attention) {
         decode_memory_s += a.layers as f64 * t.decode_s;
@@ -453,6 +454,9 @@ pub fn predict(p: &Profile, at: &Placement, m: &Machine, hist: Option<&RoutingHi
     for pr in &p.products {
         let t = m.time_of(pr);
         decode_memory_s += pr.per_token as f64 * t.decode_s;
+        if pr.part == Part::Expert {
+            decode_experts_s += pr.per_token as f64 * t.decode_s;
+        }
         // A prompt runs the dense products on all its rows at once, each expert on the
         // rows routed to it, and the head only on its last row.
         prefill_compute_s += match pr.part {
@@ -490,8 +494,16 @@ pub fn predict(p: &Profile, at: &Placement, m: &Machine, hist: Option<&RoutingHi
     }
     let decode_disk_s = miss_bytes / disk_bps;
     let prefill_disk_s = chunk_miss_bytes / disk_bps / PROMPT as f64;
+    // A streamed layer computes its cached experts while its misses are read, so
+    // the reads overlap the expert products (not the attention and dense products
+    // around them, which wait for the layer's result). A mapped model's misses are
+    // page faults inside the products: they add up.
+    let decode_s = match at.residency {
+        Residency::Streamed => decode_memory_s - decode_experts_s + decode_experts_s.max(decode_disk_s),
+        _ => decode_memory_s + decode_disk_s,
+    };
     Prediction {
-        decode_tok_s: 1.0 / (decode_memory_s + decode_disk_s),
+        decode_tok_s: 1.0 / decode_s,
         prefill_tok_s: 1.0 / prefill_compute_s.max(prefill_disk_s),
         decode_memory_s,
         decode_disk_s,

@@ -257,6 +257,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     ) -> Result<Self::Act>;
 
     fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>>;
+    /// [`to_host`](Self::to_host), consuming `x`: a backend whose activations are in
+    /// host memory hands its buffer over (a step's logits are `rows x vocab`, 8 MB
+    /// for 8 rows of Gemma 3).
+    fn to_host_owned(&self, x: Self::Act) -> Result<Vec<f32>> {
+        self.to_host(&x)
+    }
     fn n_rows(&self, x: &Self::Act) -> usize;
     fn n_cols(&self, x: &Self::Act) -> usize;
 }
