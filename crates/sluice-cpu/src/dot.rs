@@ -50,7 +50,9 @@ pub fn f16_to_f32(src: &[u8], out: &mut [f32]) {
     assert!(src.len() >= 2 * out.len(), "f16_to_f32: {} bytes for {} values", src.len(), out.len());
     match isa() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => unsafe { x86::f16_to_f32_avx2(src, out) },
+        Isa::Avx512 => unsafe { x86::f16_to_f32_avx512(src, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::f16_to_f32_avx2(src, out) },
         _ => out.iter_mut().enumerate().for_each(|(i, o)| *o = load(DType::F16, src, i)),
     }
 }
@@ -150,6 +152,22 @@ mod x86 {
         }
         for (j, o) in out.iter_mut().enumerate().skip(i) {
             *o = load(DType::F16, src, j);
+        }
+    }
+
+    /// Sixteen at a time, the rest as [`f16_to_f32_avx2`] (a 16-bit cache's rows at
+    /// long contexts: half the instructions of eight at a time).
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn f16_to_f32_avx512(src: &[u8], out: &mut [f32]) {
+        let n = out.len();
+        let mut i = 0;
+        unsafe {
+            while i + 16 <= n {
+                let h = _mm256_loadu_si256(src.as_ptr().add(2 * i) as *const __m256i);
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+                i += 16;
+            }
+            f16_to_f32_avx2(&src[2 * i..], &mut out[i..]);
         }
     }
 

@@ -421,6 +421,29 @@ fn matmul_grouped_equals_separate_calls() {
     }
 }
 
+/// A 16-bit KV cache's rows convert to f32 exactly on every ISA (sixteen, eight and
+/// one at a time): normal, subnormal, zero and infinite values, every length to 40.
+#[test]
+fn f16_rows_convert_exactly() {
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng(11);
+    let special = [0.0f32, -0.0, 1e-7, -3e-6, 65504.0, f32::INFINITY, f32::NEG_INFINITY];
+    let vals: Vec<half::f16> = (0..40)
+        .map(|i| half::f16::from_f32(if i % 5 == 0 { special[i / 5 % 7] } else { rng.range(-300.0, 300.0) }))
+        .collect();
+    let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    for v in variants() {
+        select(v);
+        for n in 0..=40 {
+            let mut out = vec![f32::NAN; n];
+            sluice_cpu::dot::f16_to_f32(&bytes[..2 * n], &mut out);
+            let want: Vec<f32> = vals[..n].iter().map(|h| h.to_f32()).collect();
+            assert_bitwise(&format!("{v:?} n={n}"), &out, &want);
+        }
+    }
+    select(best());
+}
+
 /// Attention's vector loops give the bits of their scalar definitions on every ISA:
 /// `dot_f32_rows` is `dot_f32` per row, `weighted_sum` the in-order sum of
 /// separately rounded products (whole 64-column blocks and a tail).
