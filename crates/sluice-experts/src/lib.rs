@@ -261,6 +261,16 @@ impl ExpertLease<'_> {
         }
     }
 
+    /// Whether misses of this lease wait for slots that its taken experts will give
+    /// back (a prompt that needs more experts than the layer's cache holds): holding
+    /// experts taken then keeps their reads from starting.
+    pub fn has_queued(&self) -> bool {
+        match &self.inner {
+            Inner::Ready { .. } => false,
+            Inner::Stream(s) => s.has_queued(),
+        }
+    }
+
     /// Takes every expert in turn: whether all of them can be read.
     pub fn wait_all(&self) -> Result<()> {
         self.order().into_iter().try_for_each(|id| self.take(id).map(drop))

@@ -93,6 +93,11 @@ impl<'a> Stream<'a> {
         }
     }
 
+    /// Whether misses wait for a slot that a taken item will give back.
+    pub fn has_queued(&self) -> bool {
+        !self.state.lock().unwrap().queue.is_empty()
+    }
+
     /// Item `i`'s bytes, once its read has ended.
     pub fn take(&self, i: usize) -> Result<Src<'_>> {
         let mats = &self.parts.le.plans[self.ids[i]].mats;

@@ -431,12 +431,13 @@ impl Backend for Cpu {
         while next < order.len() {
             // The next expert (waiting for its read if it has not ended) and every
             // later one already in memory, as one grouped product; the store reads
-            // the others meanwhile.
+            // the others meanwhile. While misses wait for the slots of the experts
+            // taken, one at a time, so each slot goes back as soon as it is used.
             let mut taken = Vec::new();
             loop {
                 taken.push((order[next], experts.take(order[next])?));
                 next += 1;
-                if next == order.len() || !experts.is_ready(order[next]) {
+                if next == order.len() || !experts.is_ready(order[next]) || experts.has_queued() {
                     break;
                 }
             }
