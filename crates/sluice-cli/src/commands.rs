@@ -1273,11 +1273,11 @@ pub fn plan(a: PlanArgs) -> Result<()> {
 }
 
 pub fn serve(mut a: ServeArgs) -> Result<()> {
-    // A server's steps carry many sequences' rows, where arithmetic binds and 16-bit
-    // activations cost up to twice as much: Qwen2.5-Coder-1.5B at 64 streaming
-    // clients (2 cores, AVX-512) gave 114 tok/s accurate, 149 fast, llama-server 130.
     if a.engine.precision == PrecisionArg::Auto {
-        a.engine.precision = PrecisionArg::Fast;
+        a.engine.precision = match sluice_server::DEFAULT_PRECISION {
+            Precision::Fast => PrecisionArg::Fast,
+            Precision::Accurate => PrecisionArg::Accurate,
+        };
     }
     for (flag, n) in [("--parallel", a.parallel), ("--step-tokens", a.step_tokens)] {
         if n == 0 {
