@@ -81,7 +81,7 @@ pub(crate) fn matmul_grouped(products: &mut [&mut Product<'_>]) {
     // One quantization per input, kind of activations and precision.
     let mut acts: Vec<(ActKey, QAct)> = Vec::new();
     for p in products.iter() {
-        let key = (p.x.as_ptr(), p.n, act_kind(p.w.dtype), parts(p.precision));
+        let key = act_key(p);
         if !acts.iter().any(|(k, _)| *k == key) {
             acts.push((key, QAct::new(key.2, p.x, p.n, p.w.cols, key.3)));
         }
@@ -91,7 +91,7 @@ pub(crate) fn matmul_grouped(products: &mut [&mut Product<'_>]) {
     let mut parts_of = Vec::with_capacity(products.len());
     let (mut tiles, mut cost, mut weight) = (0, 0, 0);
     for p in products.iter_mut() {
-        let key = (p.x.as_ptr(), p.n, act_kind(p.w.dtype), parts(p.precision));
+        let key = act_key(p);
         let act = &acts.iter().find(|(k, _)| *k == key).expect("quantized above").1;
         let (lanes, f) = kernel_for(isa(), p.w.dtype);
         let count = p.w.rows.div_ceil(lanes);
@@ -145,6 +145,10 @@ struct Span<'a> {
 /// An input as quantized: where it lies, its rows, the kind of activations and
 /// bytes per element.
 type ActKey = (*const f32, usize, ActKind, usize);
+
+fn act_key(p: &Product<'_>) -> ActKey {
+    (p.x.as_ptr(), p.n, act_kind(p.w.dtype), parts(p.precision))
+}
 
 /// Bytes per activation element: 1 (8 bits) or 2 (16).
 fn parts(p: Precision) -> usize {
