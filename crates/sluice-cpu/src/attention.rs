@@ -65,11 +65,16 @@ pub fn attention(p: &AttnParams<'_>, q: &[f32], k_new: &[f32], v_new: &[f32], se
     let parallel = total >= 1 << 14;
     // Query heads per task: a KV head's whole group shares each tile, but one decode
     // row then has as few tasks as KV heads (one on Gemma 3), so the group is split
-    // until every thread has work.
+    // until every thread has work: two tasks a thread, or one where the cache is coded,
+    // since each task decodes the tiles it reads (Qwen2.5's decode row at 4 bits, two
+    // KV heads on two threads: split in four, every tile was decoded twice).
     let threads = if parallel { rayon::current_num_threads() } else { 1 };
     let blocks: usize = seqs.iter().map(|s| s.rows.div_ceil(ROWS)).sum();
-    let heads =
-        (1..=group).rev().find(|&d| group.is_multiple_of(d) && blocks * (p.n_heads / d) >= 2 * threads).unwrap_or(1);
+    let per_thread = if seqs.iter().any(|s| s.cache.codec().is_some()) { 1 } else { 2 };
+    let heads = (1..=group)
+        .rev()
+        .find(|&d| group.is_multiple_of(d) && blocks * (p.n_heads / d) >= per_thread * threads)
+        .unwrap_or(1);
     // A coded cache's sequences code their new rows in the same format first, so that
     // a chunk reads its own keys and values as every later step will (a prompt gives the
     // same result however it is cut into chunks).

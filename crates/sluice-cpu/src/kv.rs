@@ -391,19 +391,7 @@ impl Codec {
                     *o = c as i8 as f32 * scale;
                 }
             }
-            KvFormat::Turbo(_) => {
-                let b = self.block;
-                let per_block = self.head_bytes / (self.head_dim / b);
-                for (o, c) in out.chunks_mut(b).zip(bytes.chunks(per_block)) {
-                    let norm = f16::from_le_bytes([c[0], c[1]]).to_f32();
-                    // Each half of the block is whole bytes of its own width's codes
-                    // (a half is a multiple of 8 codes).
-                    let (first, second) = o.split_at_mut(b / 2);
-                    let split = (b / 2) * self.books[0].bits as usize / 8;
-                    unpack(&self.books[0], norm, &c[2..2 + split], first);
-                    unpack(&self.books[1], norm, &c[2 + split..], second);
-                }
-            }
+            KvFormat::Turbo(_) => unpack_blocks(&self.books, self.block, &bytes[..self.head_bytes], out),
         }
     }
 }
@@ -521,20 +509,168 @@ impl<'a> BitWriter<'a> {
     }
 }
 
-/// Decodes `out.len()` codes of `book`'s width (a multiple of 8) from `bytes`, packed
-/// as [`BitWriter`] packs them, each into its centroid times `norm`. Eight codes take
-/// exactly `bits` bytes, so each group of eight is one little-endian word; the
-/// centroids are scaled once, to the same products a code-by-code decode gives.
-fn unpack(book: &Codebook, norm: f32, bytes: &[u8], out: &mut [f32]) {
-    let mut table = [0f32; 16];
-    table.iter_mut().zip(&book.centroids).for_each(|(t, c)| *t = c * norm);
-    let (bits, mask) = (book.bits as usize, (1u32 << book.bits) - 1);
-    for (o, g) in out.chunks_exact_mut(8).zip(bytes.chunks_exact(bits)) {
-        let mut w = [0u8; 4];
-        w[..bits].copy_from_slice(g);
-        let w = u32::from_le_bytes(w);
+/// Decodes `out.len()` codes of `book` (packed by [`BitWriter`], eight codes in each
+/// `book.bits` bytes) into `norm` times their centroids. The same bits on every ISA.
+pub fn unpack(book: &Codebook, norm: f32, bytes: &[u8], out: &mut [f32]) {
+    let bits = book.bits as usize;
+    assert!((1..=4).contains(&bits) && out.len().is_multiple_of(8), "unpack: {} codes of {bits} bits", out.len());
+    assert!(
+        bytes.len() >= out.len() / 8 * bits,
+        "unpack: {} bytes for {} codes of {bits} bits",
+        bytes.len(),
+        out.len()
+    );
+    unpack_on(crate::isa(), &Table::new(book, norm), bits, bytes, out);
+}
+
+/// One head of a TurboQuant cache decoded: per rotation block of `block` values, its
+/// f16 norm, then each half's codes in its own book's width (whole bytes: a half is a
+/// multiple of 8 codes). A coded cache's rows are read position by position at every
+/// step, so this is one dispatch per head and a table lookup per sixteen codes on
+/// AVX-512 (per eight on AVX2).
+fn unpack_blocks(books: &[Arc<Codebook>; 2], block: usize, bytes: &[u8], out: &mut [f32]) {
+    let bits = [books[0].bits as usize, books[1].bits as usize];
+    let split = block / 2 * bits[0] / 8;
+    let per_block = 2 + split + block / 2 * bits[1] / 8;
+    assert_eq!(bytes.len(), out.len() / block * per_block, "unpack: a head's bytes");
+    let isa = crate::isa();
+    for (o, c) in out.chunks_exact_mut(block).zip(bytes.chunks_exact(per_block)) {
+        let norm = f16::from_le_bytes([c[0], c[1]]).to_f32();
+        let (first, second) = o.split_at_mut(block / 2);
+        for (book, bits, codes, o) in
+            [(&books[0], bits[0], &c[2..2 + split], first), (&books[1], bits[1], &c[2 + split..], second)]
+        {
+            unpack_on(isa, &Table::new(book, norm), bits, codes, o);
+        }
+    }
+}
+
+/// [`unpack`] on a chosen ISA, the table already scaled.
+#[inline(always)]
+fn unpack_on(isa: crate::Isa, table: &Table, bits: usize, bytes: &[u8], out: &mut [f32]) {
+    match isa {
+        // SAFETY: `isa` came from `crate::isa()`, which checked the CPU's features.
+        #[cfg(target_arch = "x86_64")]
+        crate::Isa::Avx512 => unsafe { x86::unpack_avx512(table, bits, bytes, out) },
+        #[cfg(target_arch = "x86_64")]
+        crate::Isa::Avx2 => unsafe { x86::unpack_avx2(table, bits, bytes, out) },
+        _ => unpack_scalar(table, bits, bytes, out),
+    }
+}
+
+/// A book's centroids times one block's norm, the value each code decodes to.
+struct Table([f32; 16]);
+
+impl Table {
+    #[inline(always)]
+    fn new(book: &Codebook, norm: f32) -> Table {
+        let mut t = [0f32; 16];
+        t.iter_mut().zip(&book.centroids).for_each(|(t, c)| *t = c * norm);
+        Table(t)
+    }
+}
+
+/// `len` (at most 8) little-endian bytes of `bytes` from `at` as one word: eight
+/// codes are `bits` bytes. Reads eight bytes at once where the slice has them (a copy
+/// of a variable length would be a call to `memcpy` per group).
+#[inline(always)]
+fn word(bytes: &[u8], at: usize, len: usize) -> u64 {
+    let all = if at + 8 <= bytes.len() {
+        u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
+    } else {
+        bytes[at..at + len].iter().rev().fold(0u64, |w, &b| w << 8 | b as u64)
+    };
+    if len == 8 { all } else { all & ((1u64 << (8 * len)) - 1) }
+}
+
+/// Eight codes' bytes as one little-endian word.
+#[inline(always)]
+fn group(bytes: &[u8], at: usize, bits: usize) -> u32 {
+    word(bytes, at, bits) as u32
+}
+
+fn unpack_scalar(table: &Table, bits: usize, bytes: &[u8], out: &mut [f32]) {
+    let mask = (1u32 << bits) - 1;
+    for (k, o) in out.chunks_exact_mut(8).enumerate() {
+        let w = group(bytes, k * bits, bits);
         for (i, o) in o.iter_mut().enumerate() {
-            *o = table[(w >> (i * bits) & mask) as usize];
+            *o = table.0[(w >> (i * bits) & mask) as usize];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{Table, group, word};
+
+    /// Sixteen codes a step: two groups' words spread over the lanes, each lane
+    /// shifted to its code, and the code looking its value up in the sixteen-entry
+    /// table held in one register.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub unsafe fn unpack_avx512(table: &Table, bits: usize, bytes: &[u8], out: &mut [f32]) {
+        let n = out.len();
+        let b = bits as i32;
+        unsafe {
+            let t = _mm512_loadu_ps(table.0.as_ptr());
+            let shifts = _mm512_setr_epi32(
+                0,
+                b,
+                2 * b,
+                3 * b,
+                4 * b,
+                5 * b,
+                6 * b,
+                7 * b,
+                0,
+                b,
+                2 * b,
+                3 * b,
+                4 * b,
+                5 * b,
+                6 * b,
+                7 * b,
+            );
+            let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+            let mask = _mm512_set1_epi32((1 << bits) - 1);
+            let mut i = 0;
+            while i + 16 <= n {
+                // Two groups' words, the second in the upper half of one 64-bit word.
+                let x = word(bytes, i / 8 * bits, 2 * bits);
+                let words = (x & ((1 << (8 * bits)) - 1)) | (x >> (8 * bits)) << 32;
+                let spread = _mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(_mm_cvtsi64_si128(words as i64)));
+                let codes = _mm512_and_si512(_mm512_srlv_epi32(spread, shifts), mask);
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_permutexvar_ps(codes, t));
+                i += 16;
+            }
+            if i < n {
+                unpack_avx2(table, bits, &bytes[i / 8 * bits..], &mut out[i..]);
+            }
+        }
+    }
+
+    /// Eight codes a step; a table of sixteen takes two eight-entry lookups and a
+    /// blend on the code's top bit.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub unsafe fn unpack_avx2(table: &Table, bits: usize, bytes: &[u8], out: &mut [f32]) {
+        let b = bits as i32;
+        unsafe {
+            let (lo, hi) = (_mm256_loadu_ps(table.0.as_ptr()), _mm256_loadu_ps(table.0.as_ptr().add(8)));
+            let shifts = _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b);
+            let mask = _mm256_set1_epi32((1 << bits) - 1);
+            for (k, o) in out.chunks_exact_mut(8).enumerate() {
+                let w = _mm256_set1_epi32(group(bytes, k * bits, bits) as i32);
+                let codes = _mm256_and_si256(_mm256_srlv_epi32(w, shifts), mask);
+                let mut v = _mm256_permutevar8x32_ps(lo, codes);
+                if bits == 4 {
+                    let top = _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28));
+                    v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, codes), top);
+                }
+                _mm256_storeu_ps(o.as_mut_ptr(), v);
+            }
         }
     }
 }

@@ -444,6 +444,61 @@ fn f16_rows_convert_exactly() {
     select(best());
 }
 
+/// A TurboQuant cache's codes decode to their centroid times the norm on every ISA
+/// (sixteen, eight at a time), at every width, for runs of 8 to 136 codes, and a
+/// cache decodes whole heads alike on every ISA.
+#[test]
+fn kv_codes_unpack_to_their_centroids() {
+    use sluice_cpu::kv::{Codebook, unpack};
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng(5);
+    for bits in 2..=4u32 {
+        let book = Codebook::lloyd_max(bits, 128);
+        let bytes: Vec<u8> = (0..17 * bits).map(|_| rng.byte()).collect();
+        // The codes as the writer packs them: eight in each `bits` bytes, first code lowest.
+        let codes: Vec<usize> = bytes
+            .chunks(bits as usize)
+            .flat_map(|g| {
+                let w = g.iter().rev().fold(0u32, |w, &b| w << 8 | b as u32);
+                (0..8).map(move |i| (w >> (i * bits) & ((1 << bits) - 1)) as usize)
+            })
+            .collect();
+        let norm = 3.7f32;
+        for v in variants() {
+            select(v);
+            for n in (8..=136).step_by(8) {
+                let mut out = vec![f32::NAN; n];
+                unpack(&book, norm, &bytes, &mut out);
+                let want: Vec<f32> = codes[..n].iter().map(|&c| book.centroids[c] * norm).collect();
+                assert_bitwise(&format!("{v:?} {bits} bits n={n}"), &out, &want);
+            }
+        }
+    }
+    // A whole head through a cache, every width (3.5 bits: halves of 4 and 3).
+    use sluice_core::{KvFormat, KvLayout, TurboBits};
+    for bits in [TurboBits::Two, TurboBits::Three, TurboBits::ThreeHalf, TurboBits::Four] {
+        for hd in [64, 128, 256] {
+            let format = KvFormat::Turbo(bits);
+            let layout = KvLayout { kv_dim: 2 * hd, head_dim: hd, window: None, format, seed: 1, key_shift: None };
+            let mut cache = sluice_cpu::KvCache::with_layout(&layout).unwrap();
+            let row = random_input(1, 2 * hd, &mut rng);
+            cache.append(&row, &row);
+            let decoded = |v: (Isa, bool)| {
+                select(v);
+                let mut out = vec![f32::NAN; 2 * hd];
+                cache.key_into(0, 0, &mut out[..hd]);
+                cache.value_into(0, 1, &mut out[hd..]);
+                out
+            };
+            let want = decoded((Isa::Scalar, false));
+            for v in variants() {
+                assert_bitwise(&format!("{v:?} {format:?} head {hd}"), &decoded(v), &want);
+            }
+        }
+    }
+    select(best());
+}
+
 /// Attention's vector loops give the bits of their scalar definitions on every ISA:
 /// `dot_f32_rows` is `dot_f32` per row, `weighted_sum` the in-order sum of
 /// separately rounded products (whole 64-column blocks and a tail).
