@@ -615,24 +615,9 @@ mod x86 {
         let b = bits as i32;
         unsafe {
             let t = _mm512_loadu_ps(table.0.as_ptr());
-            let shifts = _mm512_setr_epi32(
-                0,
-                b,
-                2 * b,
-                3 * b,
-                4 * b,
-                5 * b,
-                6 * b,
-                7 * b,
-                0,
-                b,
-                2 * b,
-                3 * b,
-                4 * b,
-                5 * b,
-                6 * b,
-                7 * b,
-            );
+            // Lane l holds code l % 8 of its group: shifted right by (l % 8) * bits.
+            let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+            let shifts = _mm512_mullo_epi32(lane, _mm512_set1_epi32(b));
             let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
             let mask = _mm512_set1_epi32((1 << bits) - 1);
             let mut i = 0;
