@@ -15,12 +15,18 @@ Files: fixtures/real/NAME.json (text, tokens, vocab size, tail mass per position
 fixtures/real/NAME.top.bin (per position: u32 count, then count x (u32 id, f32 logprob),
 little-endian).
 
+With --long, the text is instead the first LONG_TOKENS tokens of the GNU GPL version 3
+(/usr/share/common-licenses/GPL-3, whitespace collapsed) and the files NAME-long.*, with
+fewer tokens kept per position (LONG_COVER, at most LONG_MAX_K): long enough that a
+TurboQuant KV cache reads its codes (it keeps its first and last positions exact), small
+enough to commit.
+
 Setup (CI never runs this; its outputs are committed):
     python3 -m venv .venv-ref
     .venv-ref/bin/pip install torch transformers accelerate gguf sentencepiece tokenizers numpy
     scripts/fetch_models.sh all
 Usage:
-    .venv-ref/bin/python scripts/make_real_reference.py [--models DIR] [NAME ...]
+    .venv-ref/bin/python scripts/make_real_reference.py [--models DIR] [--long] [NAME ...]
 """
 
 import argparse
@@ -42,6 +48,10 @@ SENTENCE = (
     "The Eiffel Tower, completed in 1889 for the World's Fair, stands about 330 metres tall "
     "and remains one of the most visited monuments in Paris, the capital of France."
 )
+LONG_SOURCE = Path("/usr/share/common-licenses/GPL-3")
+LONG_TOKENS = 512
+LONG_COVER = 0.99
+LONG_MAX_K = 256
 MODELS = {
     "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",
     "gemma3-270m": "gemma-3-270m-q4_k_m.gguf",
@@ -52,6 +62,7 @@ MODELS = {
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=os.environ.get("SLUICE_MODELS", str(ROOT / ".cache" / "models")))
+    ap.add_argument("--long", action="store_true", help="the GPL-3 text, LONG_TOKENS tokens")
     ap.add_argument("names", nargs="*", default=list(MODELS))
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -63,7 +74,13 @@ def main() -> int:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         model.eval()
-        ids = tok(SENTENCE, return_tensors="pt").input_ids
+        if args.long:
+            text = " ".join(LONG_SOURCE.read_text().split())
+            ids = tok(text, return_tensors="pt").input_ids[:, :LONG_TOKENS]
+            text = tok.decode(ids[0], skip_special_tokens=True)
+            cover, max_k, suffix = LONG_COVER, LONG_MAX_K, "-long"
+        else:
+            text, cover, max_k, suffix = SENTENCE, COVER, MAX_K, ""
         with torch.no_grad():
             logits = model(ids).logits[0].float()
         logp = torch.log_softmax(logits, dim=-1)
@@ -73,8 +90,8 @@ def main() -> int:
         for i in range(ids.shape[1]):
             lp = logp[i][order[i]]
             cum = torch.cumsum(lp.exp(), 0)
-            k = int(torch.searchsorted(cum, torch.tensor(COVER)).item()) + 1
-            k = max(MIN_K, min(MAX_K, k))
+            k = int(torch.searchsorted(cum, torch.tensor(cover)).item()) + 1
+            k = max(MIN_K, min(max_k, k))
             mass = cum[k - 1].item()
             tails.append(max(0.0, 1.0 - mass))
             blob += struct.pack("<I", k)
@@ -82,18 +99,18 @@ def main() -> int:
                 blob += struct.pack("<If", tid, v)
         out = {
             "model": MODELS[name],
-            "text": SENTENCE,
+            "text": text,
             "tokens": ids[0].tolist(),
             "vocab_size": logits.shape[-1],
-            "cover": COVER,
+            "cover": cover,
             "tail_mass": tails,
-            "top": f"{name}.top.bin",
+            "top": f"{name}{suffix}.top.bin",
             "transformers": transformers.__version__,
             "torch": torch.__version__,
         }
-        dest = ROOT / "fixtures" / "real" / f"{name}.json"
+        dest = ROOT / "fixtures" / "real" / f"{name}{suffix}.json"
         dest.write_text(json.dumps(out, indent=1))
-        (ROOT / "fixtures" / "real" / f"{name}.top.bin").write_bytes(bytes(blob))
+        (ROOT / "fixtures" / "real" / f"{name}{suffix}.top.bin").write_bytes(bytes(blob))
         rows = [{"tail_mass": t} for t in tails]
         greedy = tok.decode(logits.argmax(-1).tolist())
         print(f"{name}: {ids.shape[1]} tokens, vocab {logits.shape[-1]}, max tail mass "

@@ -12,6 +12,6 @@ pub mod testing;
 
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use kv::{KvFormat, KvLayout, TurboBits};
+pub use kv::{ExactRows, KvFormat, KvLayout, TurboBits};
 pub use mat::{MatRef, Precision};
 pub use spec::*;

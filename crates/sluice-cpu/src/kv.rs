@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use sluice_core::{Error, KvFormat, KvLayout, Result};
+use sluice_core::{Error, ExactRows, KvFormat, KvLayout, Result};
 
 /// One layer's keys and values, `kv_dim` floats per position. Full-attention layers
 /// keep every position; sliding layers keep a ring of the last `window`.
@@ -43,7 +43,47 @@ enum Rows {
         codec: Arc<Codec>,
         k: Vec<u8>,
         v: Vec<u8>,
+        /// TurboQuant's positions also kept as computed, if any.
+        exact: Option<Box<Exact>>,
     },
+}
+
+/// A TurboQuant cache's positions kept as computed ([`ExactRows`]), in 16 bits (what
+/// the default cache keeps) and in the codec's basis (keys moved and rotated like the
+/// codes, values rotated), so that attention reads them with the query it scores the
+/// codes with.
+#[derive(Clone, Debug)]
+struct Exact {
+    rows: ExactRows,
+    /// The sequence's first `rows.sinks` positions.
+    sinks: KvCache,
+    /// A ring of the last `rows.recent` positions (at least one, so that sinks alone
+    /// need no case of their own); every position in a chunk's own cache.
+    recent: KvCache,
+}
+
+impl Exact {
+    fn new(codec: &Codec, rows: ExactRows) -> Result<Box<Exact>> {
+        let (sinks, recent) = (Exact::half(codec, None)?, Exact::half(codec, Some(rows.recent.max(1)))?);
+        Ok(Box::new(Exact { rows, sinks, recent }))
+    }
+
+    /// A 16-bit cache of the codec's heads.
+    fn half(codec: &Codec, window: Option<usize>) -> Result<KvCache> {
+        let (head_dim, kv_dim) = (codec.head_dim, codec.heads * codec.head_dim);
+        let format = KvFormat::F16;
+        let exact = ExactRows::NONE;
+        KvCache::with_layout(&KvLayout {
+            kv_dim,
+            head_dim,
+            window,
+            format,
+            seed: 0,
+            key_shift: None,
+            key_scale: None,
+            exact,
+        })
+    }
 }
 
 impl KvCache {
@@ -56,7 +96,12 @@ impl KvCache {
     pub fn with_layout(l: &KvLayout) -> Result<Self> {
         let rows = match l.format {
             KvFormat::F32 => Rows::F32 { k: Vec::new(), v: Vec::new() },
-            _ => Rows::Coded { codec: Arc::new(Codec::new(l)?), k: Vec::new(), v: Vec::new() },
+            _ => {
+                let codec = Arc::new(Codec::new(l)?);
+                let exact =
+                    (codec.rotates() && l.exact != ExactRows::NONE).then(|| Exact::new(&codec, l.exact)).transpose()?;
+                Rows::Coded { codec, k: Vec::new(), v: Vec::new(), exact }
+            }
         };
         Ok(KvCache { kv_dim: l.kv_dim, window: l.window, rows, len: 0 })
     }
@@ -77,7 +122,9 @@ impl KvCache {
     pub fn bytes(&self) -> usize {
         match &self.rows {
             Rows::F32 { k, v } => (k.capacity() + v.capacity()) * 4,
-            Rows::Coded { k, v, .. } => k.capacity() + v.capacity(),
+            Rows::Coded { k, v, exact, .. } => {
+                k.capacity() + v.capacity() + exact.as_ref().map_or(0, |e| e.sinks.bytes() + e.recent.bytes())
+            }
         }
     }
 
@@ -91,6 +138,10 @@ impl KvCache {
 
     pub fn clear(&mut self) {
         self.len = 0;
+        if let Rows::Coded { exact: Some(e), .. } = &mut self.rows {
+            e.sinks.clear();
+            e.recent.clear();
+        }
     }
 
     /// The codec of a coded cache; `None` for f32, whose rows [`KvCache::key`] gives.
@@ -99,6 +150,25 @@ impl KvCache {
             Rows::F32 { .. } => None,
             Rows::Coded { codec, .. } => Some(codec),
         }
+    }
+
+    /// The positions this cache keeps as computed beside their codes (none but in a
+    /// TurboQuant cache).
+    pub fn exact_rows(&self) -> ExactRows {
+        match &self.rows {
+            Rows::Coded { exact: Some(e), .. } => e.rows,
+            _ => ExactRows::NONE,
+        }
+    }
+
+    /// Head `head` of position `pos`'s key and value as computed, in the codec's basis
+    /// (as [`KvCache::key_into`] decodes them), for a position [`ExactRows`] keeps
+    /// (`pos` among the first `sinks`, or among the last `recent` held).
+    pub fn exact_into(&self, pos: usize, head: usize, k: &mut [f32], v: &mut [f32]) {
+        let Rows::Coded { exact: Some(e), .. } = &self.rows else { panic!("KvCache::exact_into: no exact rows") };
+        let c = if pos < e.sinks.len() { &e.sinks } else { &e.recent };
+        c.key_into(pos, head, k);
+        c.value_into(pos, head, v);
     }
 
     fn slot(&self, pos: usize) -> usize {
@@ -137,15 +207,16 @@ impl KvCache {
 
     fn decode<'a>(&'a self, pos: usize, head: usize, out: &mut [f32], side: impl Fn((&'a [u8], &'a [u8])) -> &'a [u8]) {
         debug_assert!(pos >= self.first() && pos < self.len);
-        let Rows::Coded { codec, k, v } = &self.rows else { panic!("KvCache::key_into on an f32 cache") };
+        let Rows::Coded { codec, k, v, .. } = &self.rows else { panic!("KvCache::key_into on an f32 cache") };
         let at = self.slot(pos) * codec.row_bytes() + head * codec.head_bytes;
         codec.decode(&side((k, v))[at..at + codec.head_bytes], out);
     }
 
     /// A cache holding this one's positions `0..keep` (as a ring: the last `window` of
     /// them), or `None` when some of those positions are no longer held (a ring that
-    /// has gone round past them). For a prompt that shares only a prefix with a kept
-    /// sequence (the same system prompt, another question).
+    /// has gone round past them, or a TurboQuant cache whose ring of exact positions has).
+    /// For a prompt that shares only a prefix with a kept sequence (the same system
+    /// prompt, another question).
     pub fn prefix(&self, keep: usize) -> Option<KvCache> {
         let from = self.window.map_or(0, |w| keep.saturating_sub(w));
         if keep > self.len || from < self.first() {
@@ -159,21 +230,37 @@ impl KvCache {
                 let n = slots * self.kv_dim;
                 Rows::F32 { k: k[..n].to_vec(), v: v[..n].to_vec() }
             }
-            Rows::Coded { codec, k, v } => {
+            Rows::Coded { codec, k, v, exact } => {
                 let n = slots * codec.row_bytes();
-                Rows::Coded { codec: codec.clone(), k: k[..n].to_vec(), v: v[..n].to_vec() }
+                let exact = match exact {
+                    Some(e) => Some(Box::new(Exact {
+                        rows: e.rows,
+                        sinks: e.sinks.prefix(keep.min(e.sinks.len()))?,
+                        recent: e.recent.prefix(keep)?,
+                    })),
+                    None => None,
+                };
+                Rows::Coded { codec: codec.clone(), k: k[..n].to_vec(), v: v[..n].to_vec(), exact }
             }
         };
         Some(KvCache { kv_dim: self.kv_dim, window: self.window, rows, len: keep })
     }
 
     /// An empty cache of the same format holding every position it is given (no
-    /// ring): attention codes a chunk's own keys and values in it, so that a chunk
-    /// reads its rows as later steps will read them from the cache.
+    /// ring, and every position also exact where this one keeps some): attention codes
+    /// a chunk's own keys and values in it, so that a chunk reads its rows as later
+    /// steps will read them from the cache.
     pub fn empty_like(&self) -> KvCache {
         let rows = match &self.rows {
             Rows::F32 { .. } => Rows::F32 { k: Vec::new(), v: Vec::new() },
-            Rows::Coded { codec, .. } => Rows::Coded { codec: codec.clone(), k: Vec::new(), v: Vec::new() },
+            Rows::Coded { codec, exact, .. } => {
+                // Every position in the ring that holds all, none as sinks.
+                let exact = exact.as_ref().map(|e| {
+                    let every = Exact::half(codec, None).expect("a codec's heads take a 16-bit cache");
+                    Box::new(Exact { rows: ExactRows { sinks: 0, ..e.rows }, sinks: every.clone(), recent: every })
+                });
+                Rows::Coded { codec: codec.clone(), k: Vec::new(), v: Vec::new(), exact }
+            }
         };
         KvCache { kv_dim: self.kv_dim, window: None, rows, len: 0 }
     }
@@ -198,25 +285,55 @@ impl KvCache {
                     vs[s * d..(s + 1) * d].copy_from_slice(&v[i * d..(i + 1) * d]);
                 }
             }
-            Rows::Coded { codec, k: ks, v: vs } => {
+            Rows::Coded { codec, k: ks, v: vs, exact } => {
                 let rb = codec.row_bytes();
                 if ks.len() < held * rb {
                     ks.resize(held * rb, 0);
                     vs.resize(held * rb, 0);
                 }
-                let mut shifted = vec![0f32; if codec.key_shift.is_empty() { 0 } else { d }];
+                let mut moved = vec![0f32; if codec.moves_keys() { d } else { 0 }];
                 for (i, s) in (skip..n).zip(slots) {
                     let mut key = &k[i * d..(i + 1) * d];
-                    if !shifted.is_empty() {
-                        shifted.iter_mut().zip(key.iter().zip(&codec.key_shift)).for_each(|(o, (k, c))| *o = k - c);
-                        key = &shifted;
+                    if !moved.is_empty() {
+                        moved.copy_from_slice(key);
+                        codec.move_key(&mut moved);
+                        key = &moved;
                     }
                     codec.encode_row(key, &mut ks[s * rb..(s + 1) * rb]);
                     codec.encode_row(&v[i * d..(i + 1) * d], &mut vs[s * rb..(s + 1) * rb]);
                 }
+                if let Some(e) = exact {
+                    e.append(codec, self.len, k, v);
+                }
             }
         }
         self.len += n;
+    }
+}
+
+impl Exact {
+    /// Positions `len..` (`k` and `v` as [`KvCache::append`] takes them) into the
+    /// codec's basis: those before `rows.sinks` to the sinks, and as many of the last
+    /// as the ring holds to the ring.
+    fn append(&mut self, codec: &Codec, len: usize, k: &[f32], v: &[f32]) {
+        let d = self.recent.kv_dim;
+        let n = k.len() / d;
+        let basis = |rows: std::ops::Range<usize>| {
+            let (mut tk, mut tv) = (k[rows.start * d..rows.end * d].to_vec(), v[rows.start * d..rows.end * d].to_vec());
+            tk.chunks_mut(d).zip(tv.chunks_mut(d)).for_each(|(k, v)| codec.to_basis(k, v));
+            (tk, tv)
+        };
+        let sinks = self.rows.sinks.saturating_sub(len).min(n);
+        if sinks > 0 {
+            let (tk, tv) = basis(0..sinks);
+            self.sinks.append(&tk, &tv);
+        }
+        // A ring would drop all but its window of a long chunk: only those are taken
+        // into the basis, the ring's length moved past the others.
+        let from = self.recent.window.map_or(0, |w| n.saturating_sub(w));
+        let (tk, tv) = basis(from..n);
+        self.recent.len = len + from;
+        self.recent.append(&tk, &tv);
     }
 }
 
@@ -234,6 +351,8 @@ pub struct Codec {
     books: [Arc<Codebook>; 2],
     /// [`KvLayout::key_shift`] (`kv_dim`, in the keys' own basis), empty for none.
     key_shift: Vec<f32>,
+    /// [`KvLayout::key_scale`] (`kv_dim`), empty for none and in all but TurboQuant.
+    key_scale: Vec<f32>,
 }
 
 impl Codec {
@@ -281,7 +400,14 @@ impl Codec {
             }
             s => s.map_or_else(Vec::new, <[f32]>::to_vec),
         };
-        Ok(Codec { format: l.format, heads, head_dim: hd, head_bytes, block, signs, books, key_shift })
+        let key_scale = match l.key_scale {
+            Some(s) if s.len() != l.kv_dim => {
+                return Err(Error::Usage(format!("a key scale of {} floats for keys of {}", s.len(), l.kv_dim)));
+            }
+            Some(s) if matches!(l.format, KvFormat::Turbo(_)) => s.to_vec(),
+            _ => Vec::new(),
+        };
+        Ok(Codec { format: l.format, heads, head_dim: hd, head_bytes, block, signs, books, key_shift, key_scale })
     }
 
     pub fn format(&self) -> KvFormat {
@@ -296,6 +422,27 @@ impl Codec {
     /// are `key - shift`, and a score needs `q · shift` added back.
     pub fn key_shift(&self, head: usize) -> Option<&[f32]> {
         (!self.key_shift.is_empty()).then(|| &self.key_shift[head * self.head_dim..(head + 1) * self.head_dim])
+    }
+
+    /// Head `head`'s part of the vector keys were multiplied by before coding
+    /// ([`KvLayout::key_scale`]): a query must be divided by it.
+    pub fn key_scale(&self, head: usize) -> Option<&[f32]> {
+        (!self.key_scale.is_empty()).then(|| &self.key_scale[head * self.head_dim..(head + 1) * self.head_dim])
+    }
+
+    /// Whether keys are coded as other than themselves ([`Codec::move_key`]).
+    fn moves_keys(&self) -> bool {
+        !self.key_shift.is_empty() || !self.key_scale.is_empty()
+    }
+
+    /// One position's key (`kv_dim`) as it is coded: less the shift, times the scale.
+    fn move_key(&self, k: &mut [f32]) {
+        if !self.key_shift.is_empty() {
+            k.iter_mut().zip(&self.key_shift).for_each(|(k, s)| *k -= s);
+        }
+        if !self.key_scale.is_empty() {
+            k.iter_mut().zip(&self.key_scale).for_each(|(k, s)| *k *= s);
+        }
     }
 
     fn row_bytes(&self) -> usize {
@@ -323,6 +470,18 @@ impl Codec {
         for (b, s) in x.chunks_mut(self.block).zip(signs.chunks(self.block)) {
             hadamard(b);
             b.iter_mut().zip(s).for_each(|(x, s)| *x *= s);
+        }
+    }
+
+    /// One position's key and value (`kv_dim` each) into the basis their codes decode
+    /// in: the key moved ([`Codec::move_key`]), both rotated head by head.
+    fn to_basis(&self, k: &mut [f32], v: &mut [f32]) {
+        self.move_key(k);
+        if self.rotates() {
+            for (h, (k, v)) in k.chunks_mut(self.head_dim).zip(v.chunks_mut(self.head_dim)).enumerate() {
+                self.rotate(h, k);
+                self.rotate(h, v);
+            }
         }
     }
 
@@ -695,6 +854,8 @@ pub(crate) mod tests {
                 format: KvFormat::Turbo(bits),
                 seed: 3,
                 key_shift: None,
+                key_scale: None,
+                exact: ExactRows::NONE,
             };
             let codec = Codec::new(&l).unwrap();
             let (mut err, mut norm) = (0f64, 0f64);
@@ -727,6 +888,8 @@ pub(crate) mod tests {
             format: KvFormat::Turbo(TurboBits::Four),
             seed: 9,
             key_shift: None,
+            key_scale: None,
+            exact: ExactRows::NONE,
         };
         let codec = Codec::new(&l).unwrap();
         assert_eq!(codec.block, 64);
@@ -746,7 +909,16 @@ pub(crate) mod tests {
     fn widths_save_what_they_say() {
         for hd in [64, 128, 256] {
             let bytes = |format| {
-                let l = KvLayout { kv_dim: 4 * hd, head_dim: hd, window: None, format, seed: 0, key_shift: None };
+                let l = KvLayout {
+                    kv_dim: 4 * hd,
+                    head_dim: hd,
+                    window: None,
+                    format,
+                    seed: 0,
+                    key_shift: None,
+                    key_scale: None,
+                    exact: ExactRows::NONE,
+                };
                 KvCache::with_layout(&l).unwrap().bytes_per_position() as f64
             };
             let f16 = bytes(KvFormat::F16);
@@ -761,6 +933,8 @@ pub(crate) mod tests {
             format: KvFormat::Turbo(TurboBits::Four),
             seed: 0,
             key_shift: None,
+            key_scale: None,
+            exact: ExactRows::NONE,
         };
         assert!(KvCache::with_layout(&l).unwrap_err().to_string().contains("head of 40"));
     }
@@ -770,7 +944,16 @@ pub(crate) mod tests {
     fn f16_and_q8_round_trip() {
         let x = gaussian(64, 5);
         for (format, tol) in [(KvFormat::F16, 1e-3), (KvFormat::Q8, 0.02)] {
-            let l = KvLayout { kv_dim: 64, head_dim: 64, window: None, format, seed: 0, key_shift: None };
+            let l = KvLayout {
+                kv_dim: 64,
+                head_dim: 64,
+                window: None,
+                format,
+                seed: 0,
+                key_shift: None,
+                key_scale: None,
+                exact: ExactRows::NONE,
+            };
             let mut c = KvCache::with_layout(&l).unwrap();
             c.append(&x, &x);
             let mut back = vec![0f32; 64];

@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use sluice_core::{DType, Error, Family, KvFormat, ModelSpec, Precision, Result};
+use sluice_core::{DType, Error, ExactRows, Family, KvFormat, ModelSpec, Precision, Result};
 use sluice_experts::{ExpertStore, StoreConfig};
 use sluice_formats::Checkpoint;
 
@@ -22,7 +22,7 @@ use crate::families::{
     qwen35::Qwen35,
 };
 use crate::pilot::{Pilot, PilotStats};
-use crate::state::{SeqState, StateSpec, key_shifts};
+use crate::state::{KeyForm, SeqState, StateSpec};
 use crate::stats::Timers;
 
 /// Most rows pushed through the layers at once; longer steps run in passes of this
@@ -89,8 +89,11 @@ pub struct Model<B: Backend = Cpu> {
     /// How every sequence's KV caches store positions (a sliding layer's at most 16
     /// bits); [`LoadOptions::kv`], or [`default_kv_format`] when it is `None`.
     pub kv_format: KvFormat,
-    /// Per layer, what its coded caches store keys relative to ([`key_shifts`]).
-    key_shifts: Vec<Option<Vec<f32>>>,
+    /// The positions a TurboQuant cache (`kv_format` of 2 to 4 bits) keeps as computed:
+    /// [`ExactRows::DEFAULT`]; [`ExactRows::NONE`] measures the codes alone.
+    pub kv_exact: ExactRows,
+    /// Per layer, how its coded caches code keys.
+    key_forms: Vec<KeyForm>,
     /// Weight bytes one decode step reads: every resident matrix, the output
     /// projection, one row of each embedding table, and top-k experts per MoE layer
     /// (their average size). Divided into memory bandwidth it gives the roofline.
@@ -178,8 +181,9 @@ impl<B: Backend> Model<B> {
             prefetch: if ckpt.spec.is_moe() { opts.prefetch } else { Prefetch::Off },
             precision: opts.precision,
             kv_format: opts.kv.unwrap_or_else(|| default_kv_format(&be, ckpt)),
+            kv_exact: ExactRows::DEFAULT,
             bytes_per_token: decode_bytes_per_token(ckpt, &store),
-            key_shifts: key_shifts(ckpt)?,
+            key_forms: KeyForm::of(ckpt)?,
             state: net.state(),
             store,
             be,
@@ -189,7 +193,7 @@ impl<B: Backend> Model<B> {
 
     /// A new, empty sequence.
     pub fn new_state(&self) -> Result<SeqState<B>> {
-        SeqState::new(&self.be, &self.state, self.kv_format, &self.key_shifts)
+        SeqState::new(&self.be, &self.state, (self.kv_format, self.kv_exact), &self.key_forms)
     }
 
     /// A one-sequence session.
