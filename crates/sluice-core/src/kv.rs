@@ -126,6 +126,16 @@ pub struct KvLayout<'a> {
     pub exact: ExactRows,
 }
 
+impl KvLayout<'_> {
+    /// A cache of every position of `kv_dim` floats in heads of `head_dim`, in `format`,
+    /// its keys coded as they are and no position kept exact; the other fields set by
+    /// struct update where they matter.
+    pub fn plain(kv_dim: usize, head_dim: usize, format: KvFormat) -> KvLayout<'static> {
+        let exact = ExactRows::NONE;
+        KvLayout { kv_dim, head_dim, window: None, format, seed: 0, key_shift: None, key_scale: None, exact }
+    }
+}
+
 /// Positions a TurboQuant cache keeps as computed beside their codes: the first
 /// `sinks` of the sequence, and for each query the `recent` positions up to its own.
 ///

@@ -71,18 +71,7 @@ impl Exact {
     /// A 16-bit cache of the codec's heads.
     fn half(codec: &Codec, window: Option<usize>) -> Result<KvCache> {
         let (head_dim, kv_dim) = (codec.head_dim, codec.heads * codec.head_dim);
-        let format = KvFormat::F16;
-        let exact = ExactRows::NONE;
-        KvCache::with_layout(&KvLayout {
-            kv_dim,
-            head_dim,
-            window,
-            format,
-            seed: 0,
-            key_shift: None,
-            key_scale: None,
-            exact,
-        })
+        KvCache::with_layout(&KvLayout { window, ..KvLayout::plain(kv_dim, head_dim, KvFormat::F16) })
     }
 }
 
@@ -847,16 +836,7 @@ pub(crate) mod tests {
             (TurboBits::ThreeHalf, (0.03454 + 0.009497) / 2.0),
             (TurboBits::Four, 0.009497),
         ] {
-            let l = KvLayout {
-                kv_dim: 2 * hd,
-                head_dim: hd,
-                window: None,
-                format: KvFormat::Turbo(bits),
-                seed: 3,
-                key_shift: None,
-                key_scale: None,
-                exact: ExactRows::NONE,
-            };
+            let l = KvLayout { seed: 3, ..KvLayout::plain(2 * hd, hd, KvFormat::Turbo(bits)) };
             let codec = Codec::new(&l).unwrap();
             let (mut err, mut norm) = (0f64, 0f64);
             let mut bytes = vec![0u8; codec.row_bytes()];
@@ -881,16 +861,7 @@ pub(crate) mod tests {
     /// Rotation keeps dot products; unrotate undoes rotate.
     #[test]
     fn rotation_is_orthogonal() {
-        let l = KvLayout {
-            kv_dim: 576,
-            head_dim: 576,
-            window: None,
-            format: KvFormat::Turbo(TurboBits::Four),
-            seed: 9,
-            key_shift: None,
-            key_scale: None,
-            exact: ExactRows::NONE,
-        };
+        let l = KvLayout { seed: 9, ..KvLayout::plain(576, 576, KvFormat::Turbo(TurboBits::Four)) };
         let codec = Codec::new(&l).unwrap();
         assert_eq!(codec.block, 64);
         let (a, b) = (gaussian(576, 1), gaussian(576, 2));
@@ -909,16 +880,7 @@ pub(crate) mod tests {
     fn widths_save_what_they_say() {
         for hd in [64, 128, 256] {
             let bytes = |format| {
-                let l = KvLayout {
-                    kv_dim: 4 * hd,
-                    head_dim: hd,
-                    window: None,
-                    format,
-                    seed: 0,
-                    key_shift: None,
-                    key_scale: None,
-                    exact: ExactRows::NONE,
-                };
+                let l = KvLayout::plain(4 * hd, hd, format);
                 KvCache::with_layout(&l).unwrap().bytes_per_position() as f64
             };
             let f16 = bytes(KvFormat::F16);
@@ -926,16 +888,7 @@ pub(crate) mod tests {
             assert!(bytes(KvFormat::Q8) <= 0.54 * f16);
             assert_eq!(bytes(KvFormat::F32), 2.0 * f16);
         }
-        let l = KvLayout {
-            kv_dim: 40,
-            head_dim: 40,
-            window: None,
-            format: KvFormat::Turbo(TurboBits::Four),
-            seed: 0,
-            key_shift: None,
-            key_scale: None,
-            exact: ExactRows::NONE,
-        };
+        let l = KvLayout::plain(40, 40, KvFormat::Turbo(TurboBits::Four));
         assert!(KvCache::with_layout(&l).unwrap_err().to_string().contains("head of 40"));
     }
 
@@ -944,16 +897,7 @@ pub(crate) mod tests {
     fn f16_and_q8_round_trip() {
         let x = gaussian(64, 5);
         for (format, tol) in [(KvFormat::F16, 1e-3), (KvFormat::Q8, 0.02)] {
-            let l = KvLayout {
-                kv_dim: 64,
-                head_dim: 64,
-                window: None,
-                format,
-                seed: 0,
-                key_shift: None,
-                key_scale: None,
-                exact: ExactRows::NONE,
-            };
+            let l = KvLayout::plain(64, 64, format);
             let mut c = KvCache::with_layout(&l).unwrap();
             c.append(&x, &x);
             let mut back = vec![0f32; 64];

@@ -475,20 +475,11 @@ fn kv_codes_unpack_to_their_centroids() {
         }
     }
     // A whole head through a cache, every width (3.5 bits: halves of 4 and 3).
-    use sluice_core::{ExactRows, KvFormat, KvLayout, TurboBits};
+    use sluice_core::{KvFormat, KvLayout, TurboBits};
     for bits in [TurboBits::Two, TurboBits::Three, TurboBits::ThreeHalf, TurboBits::Four] {
         for hd in [64, 128, 256] {
             let format = KvFormat::Turbo(bits);
-            let layout = KvLayout {
-                kv_dim: 2 * hd,
-                head_dim: hd,
-                window: None,
-                format,
-                seed: 1,
-                key_shift: None,
-                key_scale: None,
-                exact: ExactRows::NONE,
-            };
+            let layout = KvLayout { seed: 1, ..KvLayout::plain(2 * hd, hd, format) };
             let mut cache = sluice_cpu::KvCache::with_layout(&layout).unwrap();
             let row = random_input(1, 2 * hd, &mut rng);
             cache.append(&row, &row);
