@@ -8,9 +8,10 @@
 use rayon::prelude::*;
 use sluice_core::ExactRows;
 
-use crate::dot::{dot_f32, dot_f32_rows, weighted_sum};
+use crate::dot::dot_f32;
 pub use crate::kv::KvCache;
 use crate::ops::{exp_fast, softcap};
+use crate::tile::{self, Lanes};
 
 #[derive(Clone, Copy, Debug)]
 pub struct AttnParams<'a> {
@@ -137,20 +138,46 @@ struct Job<'a> {
     heads: usize,
 }
 
-/// One query head of one row, in the cache's basis, and what its scores lack
-/// (`q · key_shift` of a cache that codes keys relative to a shift; 0 otherwise).
-#[derive(Clone, Copy)]
-struct Query<'a> {
-    q: &'a [f32],
-    lift: f32,
+/// A task's queries' running softmax: per query the largest score so far, the sum of
+/// the weights relative to it, and the weighted sum of values (`head_dim` apart).
+struct Online {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+    head_dim: usize,
 }
 
-/// One query's running softmax: the largest score so far, the sum of the weights
-/// relative to it, and the weighted sum of values.
-struct Online {
-    max: f32,
-    sum: f32,
-    acc: Vec<f32>,
+impl Online {
+    fn new(queries: usize, head_dim: usize) -> Online {
+        Online {
+            max: vec![f32::NEG_INFINITY; queries],
+            sum: vec![0.0; queries],
+            acc: vec![0.0; queries * head_dim],
+            head_dim,
+        }
+    }
+
+    /// Folds a tile into the softmax: `w` holds each query's scaled scores over the
+    /// tile's `len` positions (`[len][queries]`), and query `i` reads positions
+    /// `spans[i]`. Each query's sums are rescaled to its new maximum, and its weights
+    /// replace its scores (zero where it reads nothing), ready for [`tile::values`].
+    /// A query's bits depend only on the scores it reads: the maximum is exact, and
+    /// the sum adds the weights in order of position (and zeros, which change nothing).
+    fn fold(&mut self, w: &mut [f32], len: usize, spans: &[std::ops::Range<usize>]) {
+        tile::fold(w, len, spans, (&mut self.max, &mut self.sum), (&mut self.acc, self.head_dim));
+    }
+
+    /// The first `out.len() / head_dim` queries' results, each sum of values over its
+    /// weights (and the weight of its sink logit, if `sink` gives one).
+    fn finish(&self, out: &mut [f32], sink: impl Fn(usize) -> Option<f32>) {
+        for (q, o) in out.chunks_mut(self.head_dim).enumerate() {
+            let sum = self.sum[q] + sink(q).map_or(0.0, |s| exp_fast(s - self.max[q]));
+            let inv = 1.0 / sum;
+            for (o, a) in o.iter_mut().zip(&self.acc[q * self.head_dim..]) {
+                *o = a * inv;
+            }
+        }
+    }
 }
 
 impl Job<'_> {
@@ -178,13 +205,11 @@ impl Job<'_> {
         if let Some(c) = codec.filter(|c| c.rotates()) {
             qs.chunks_mut(hd).for_each(|q| c.rotate(kvh, q));
         }
-        let mut state: Vec<Online> =
-            (0..qs.len() / hd).map(|_| Online { max: f32::NEG_INFINITY, sum: 0.0, acc: vec![0.0; hd] }).collect();
+        let n = qs.len() / hd;
         let (mut kt, mut vt) = (vec![0f32; TILE * hd], vec![0f32; TILE * hd]);
         // A TurboQuant cache's first and most recent positions, as computed.
         let exact = cache.exact_rows();
         let (mut ke, mut ve) = if exact == ExactRows::NONE { Default::default() } else { (kt.clone(), vt.clone()) };
-        let mut scratch = Scratch { scores: vec![0f32; TILE], sum: vec![0f32; hd] };
         // The window each row sees: `lo..=pos`.
         let seen = |row: usize| {
             let pos = start + row;
@@ -192,54 +217,96 @@ impl Job<'_> {
             assert!(lo >= cache.first(), "attention: position {lo} is no longer in the cache");
             (lo, pos)
         };
+        let mut out = vec![0f32; n * hd];
+        // The sink logit of the task's `j`th head, if the layer has sinks.
+        let sink = |j: usize| p.sinks.map(|s| s[t.h0 + j]);
         match p.select {
             None => {
+                let lanes = Lanes::new(&qs, hd);
+                let width = lanes.width();
+                let mut state = Online::new(width, hd);
+                let lifts = [lifts.as_slice(), &vec![0.0; width - n]].concat();
+                // Every query's scores against the tile's codes and its exact rows, and
+                // then its weights, `[TILE][width]`.
+                let mut sc = vec![0f32; TILE * width];
+                let mut se = if exact == ExactRows::NONE { Vec::new() } else { sc.clone() };
+                let mut w = vec![0f32; TILE * width];
                 let (lo, first) = seen(t.rows.start);
                 let hi = seen(t.rows.end - 1).1;
                 // Where each row's exact recent positions begin: the rows' earliest and latest.
                 let (cut_lo, cut_hi) = (exact.recent_from(first), exact.recent_from(hi));
+                // Per query, where its exact recent positions begin and the positions of
+                // the tile it reads (past the queries, none).
+                let cuts: Vec<usize> = (0..width)
+                    .map(|qi| t.rows.clone().nth(qi / self.heads).map_or(usize::MAX, |r| exact.recent_from(seen(r).1)))
+                    .collect();
+                let mut spans = vec![0..0; width];
                 let mut a = lo / TILE * TILE;
                 while a <= hi {
                     let b = (a + TILE).min(hi + 1);
                     let from = a.max(lo);
-                    // Each tile read in the forms some row of the task reads it in.
-                    if b > exact.sinks && from < cut_hi {
+                    // Each tile read and scored in the forms some row of the task reads it
+                    // in (only the positions some row reads exact: the others may be gone).
+                    let codes = from.max(exact.sinks)..b.min(cut_hi);
+                    if !codes.is_empty() {
+                        (b..(b + TILE).min(start)).for_each(|j| cache.prefetch(j, kvh));
                         self.gather(t.seq, kvh, from..b, &mut kt, &mut vt);
+                        tile::scores(&lanes, &kt, codes.start - from..codes.end - from, &mut sc);
                     }
-                    // (only the positions some row reads exact: the others may be gone)
-                    if from < exact.sinks {
-                        self.gather_exact(t.seq, kvh, from, from..b.min(exact.sinks), (&mut ke, &mut ve));
-                    }
-                    if exact.recent > 0 && b > cut_lo {
-                        self.gather_exact(t.seq, kvh, from, from.max(cut_lo)..b, (&mut ke, &mut ve));
+                    let runs = [
+                        (exact.sinks > 0, from..b.min(exact.sinks)),
+                        (exact.recent > 0, from.max(cut_lo).max(exact.sinks)..b),
+                    ];
+                    for (kept, run) in runs {
+                        if kept && !run.is_empty() {
+                            self.gather_exact(t.seq, kvh, from, run.clone(), (&mut ke, &mut ve));
+                            tile::scores(&lanes, &ke, run.start - from..run.end - from, &mut se);
+                        }
                     }
                     for (i, row) in t.rows.clone().enumerate() {
                         let (rlo, pos) = seen(row);
-                        let (x0, x1) = (from.max(rlo), b.min(pos + 1));
-                        // A row's positions in this tile as up to three runs, in order of
-                        // position: the sinks, the codes, the recent (only the codes when
-                        // nothing is kept exact).
-                        let cut = exact.recent_from(pos);
-                        let runs = [
-                            (x0, x1.min(exact.sinks), &ke, &ve),
-                            (x0.max(exact.sinks), x1.min(cut), &kt, &vt),
-                            (x0.max(cut), x1, &ke, &ve),
-                        ];
-                        for (r0, r1, kb, vb) in runs {
-                            if r0 >= r1 {
-                                continue;
-                            }
-                            let (k, v) =
-                                (&kb[(r0 - from) * hd..(r1 - from) * hd], &vb[(r0 - from) * hd..(r1 - from) * hd]);
-                            for j in 0..self.heads {
-                                let qi = i * self.heads + j;
-                                let q = Query { q: &qs[qi * hd..(qi + 1) * hd], lift: lifts[qi] };
-                                self.tile(q, k, v, &mut state[qi], &mut scratch);
-                            }
+                        let (x0, x1) = (from.max(rlo), b.min(pos + 1).max(from));
+                        spans[i * self.heads..(i + 1) * self.heads].fill(x0.min(x1) - from..x1 - from);
+                    }
+                    // A position's form for a query whose recent positions begin at `cut`
+                    // (where the query reads it; the scores it does not read are not used).
+                    let is_exact = |x: usize, cut: usize| !se.is_empty() && (x < exact.sinks || x >= cut);
+                    for r in 0..b - from {
+                        let x = from + r;
+                        let at = r * width..(r + 1) * width;
+                        for (qi, o) in w[at.clone()].iter_mut().enumerate() {
+                            let sv = if is_exact(x, cuts[qi]) { &se } else { &sc };
+                            *o = (sv[r * width + qi] + lifts[qi]) * p.scale;
                         }
+                        if let Some(cap) = p.softcap {
+                            softcap(&mut w[at], cap);
+                        }
+                    }
+                    state.fold(&mut w, b - from, &spans);
+                    // The value sums, for runs of rows that read the same positions in the
+                    // same forms at once.
+                    let mut q0 = 0;
+                    while q0 < n {
+                        let same = |qi: &usize| spans[*qi] == spans[q0] && cuts[*qi] == cuts[q0];
+                        let q1 = (q0..n).take_while(same).last().unwrap_or(q0) + 1;
+                        let span = spans[q0].clone();
+                        if !span.is_empty() {
+                            let mut rows: [&[f32]; TILE] = [&[]; TILE];
+                            for (o, r) in rows.iter_mut().zip(span.clone()) {
+                                *o = if is_exact(from + r, cuts[q0]) {
+                                    &ve[r * hd..][..hd]
+                                } else {
+                                    &vt[r * hd..][..hd]
+                                };
+                            }
+                            let weights = (&w[span.start * width + q0..], width);
+                            tile::values(&mut state.acc[q0 * hd..q1 * hd], hd, weights, &rows[..span.len()]);
+                        }
+                        q0 = q1;
                     }
                     a += TILE;
                 }
+                state.finish(&mut out, |qi| sink(qi % self.heads));
             }
             Some(select) => {
                 // Each row its own positions, in tiles of its list.
@@ -250,6 +317,11 @@ impl Job<'_> {
                         chosen.iter().all(|&j| j as usize <= pos && j as usize >= lo),
                         "attention: a chosen position is not visible"
                     );
+                    let q0 = i * self.heads;
+                    let lanes = Lanes::new(&qs[q0 * hd..(q0 + self.heads) * hd], hd);
+                    let width = lanes.width();
+                    let mut state = Online::new(width, hd);
+                    let (mut sc, mut w) = (vec![0f32; TILE * width], vec![0f32; TILE * width]);
                     for c in chosen.chunks(TILE) {
                         let m = c.len();
                         self.gather(t.seq, kvh, c.iter().map(|&j| j as usize), &mut kt, &mut vt);
@@ -260,28 +332,28 @@ impl Job<'_> {
                                 self.gather_exact(t.seq, kvh, j - x, j..j + 1, (&mut kt, &mut vt));
                             }
                         }
-                        for j in 0..self.heads {
-                            let qi = i * self.heads + j;
-                            let q = Query { q: &qs[qi * hd..(qi + 1) * hd], lift: lifts[qi] };
-                            self.tile(q, &kt[..m * hd], &vt[..m * hd], &mut state[qi], &mut scratch);
+                        tile::scores(&lanes, &kt, 0..m, &mut sc);
+                        for r in 0..m {
+                            let row = &mut w[r * width..(r + 1) * width];
+                            for ((o, s), l) in row.iter_mut().zip(&sc[r * width..]).zip(&lifts[q0..q0 + self.heads]) {
+                                *o = (s + l) * p.scale;
+                            }
+                            if let Some(cap) = p.softcap {
+                                softcap(row, cap);
+                            }
                         }
+                        let spans: Vec<_> = (0..width).map(|j| if j < self.heads { 0..m } else { 0..0 }).collect();
+                        state.fold(&mut w, m, &spans);
+                        let mut rows: [&[f32]; TILE] = [&[]; TILE];
+                        rows.iter_mut().enumerate().take(m).for_each(|(r, o)| *o = &vt[r * hd..][..hd]);
+                        tile::values(&mut state.acc[..self.heads * hd], hd, (&w, width), &rows[..m]);
                     }
+                    state.finish(&mut out[q0 * hd..(q0 + self.heads) * hd], sink);
                 }
             }
         }
-        let mut out = Vec::with_capacity(qs.len());
-        for (qi, st) in state.iter_mut().enumerate() {
-            let head = t.h0 + qi % self.heads;
-            let sum = match p.sinks {
-                Some(sinks) => st.sum + exp_fast(sinks[head] - st.max),
-                None => st.sum,
-            };
-            let inv = 1.0 / sum;
-            st.acc.iter_mut().for_each(|a| *a *= inv);
-            if let Some(c) = codec.filter(|c| c.rotates()) {
-                c.unrotate(kvh, &mut st.acc);
-            }
-            out.extend_from_slice(&st.acc);
+        if let Some(c) = codec.filter(|c| c.rotates()) {
+            out.chunks_mut(hd).for_each(|acc| c.unrotate(kvh, acc));
         }
         out
     }
@@ -329,39 +401,6 @@ impl Job<'_> {
             c.exact_into(j, kvh, &mut k[t * hd..(t + 1) * hd], &mut v[t * hd..(t + 1) * hd]);
         }
     }
-
-    /// One query against one tile's keys `k` and values `v` (`head_dim` rows): scaled,
-    /// soft-capped scores folded into the query's running softmax.
-    fn tile(&self, q: Query<'_>, k: &[f32], v: &[f32], st: &mut Online, x: &mut Scratch) {
-        let p = self.p;
-        let hd = p.head_dim;
-        let w = &mut x.scores[..k.len() / hd];
-        dot_f32_rows(q.q, |t| &k[t * hd..(t + 1) * hd], w);
-        w.iter_mut().for_each(|x| *x = (*x + q.lift) * p.scale);
-        if let Some(cap) = p.softcap {
-            softcap(w, cap);
-        }
-        let max = w.iter().copied().fold(st.max, f32::max);
-        if max > st.max {
-            // Earlier weights were relative to a smaller maximum.
-            let shrink = exp_fast(st.max - max);
-            st.sum *= shrink;
-            st.acc.iter_mut().for_each(|a| *a *= shrink);
-            st.max = max;
-        }
-        for x in w.iter_mut() {
-            *x = exp_fast(*x - max);
-        }
-        st.sum += w.iter().sum::<f32>();
-        weighted_sum(&mut x.sum, w, |t| &v[t * hd..(t + 1) * hd]);
-        st.acc.iter_mut().zip(&x.sum).for_each(|(a, s)| *a += s);
-    }
-}
-
-/// A task's buffers for one query's tile.
-struct Scratch {
-    scores: Vec<f32>,
-    sum: Vec<f32>,
 }
 
 #[cfg(test)]

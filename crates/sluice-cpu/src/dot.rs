@@ -1,10 +1,11 @@
 //! Row dot products: one stored weight row (any format) against an f32 vector, and
 //! rows converted to f32.
 //!
-//! `dot_f32` and the plain-typed `dot_row` are the single-row kernels attention uses
-//! (four independent accumulators, short latency chains); matrix products go through
-//! [`crate::matmul`], whose summation order differs. A quantized `dot_row` runs the
-//! matmul kernels on one row, so it equals that row of `matmul` bit for bit.
+//! `dot_f32` and the plain-typed `dot_row` are single-row kernels (four independent
+//! accumulators, short latency chains; attention's tiles are [`crate::tile`]'s);
+//! matrix products go through [`crate::matmul`], whose summation order differs. A
+//! quantized `dot_row` runs the matmul kernels on one row, so it equals that row of
+//! `matmul` bit for bit.
 
 use sluice_core::DType;
 
@@ -15,32 +16,6 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let bytes = unsafe { std::slice::from_raw_parts(a.as_ptr() as *const u8, a.len() * 4) };
     dot_row(DType::F32, bytes, b)
-}
-
-/// `out[t] = dot_f32(a, row(t))` for every t, bit for bit, with one dispatch for all
-/// of them: attention's scores, one query head against its keys.
-pub fn dot_f32_rows<'a>(a: &[f32], row: impl Fn(usize) -> &'a [f32], out: &mut [f32]) {
-    let bytes = unsafe { std::slice::from_raw_parts(a.as_ptr() as *const u8, a.len() * 4) };
-    match isa() {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::dot_rows_avx512(bytes, &row, out) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::dot_rows_avx2(bytes, &row, out) },
-        _ => out.iter_mut().enumerate().for_each(|(t, o)| *o = dot_row(DType::F32, bytes, row(t))),
-    }
-}
-
-/// `out = sum over t of w[t] * row(t)`, summed in the order of t from zero, each
-/// product and sum rounded apart (no fused multiply-add) on every ISA, so the vector
-/// form gives the scalar loop's bits. Attention's sum over values: the vector form
-/// keeps 64 columns of `out` in registers while it reads the rows.
-pub fn weighted_sum<'a>(out: &mut [f32], w: &[f32], row: impl Fn(usize) -> &'a [f32]) {
-    match isa() {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => unsafe { x86::weighted_sum_avx2(out, w, &row) },
-        // The baseline target's vectors (SSE2, NEON) already do the scalar loop.
-        _ => scalar::weighted_sum(out, w, &row, 0),
-    }
 }
 
 /// Converts `out.len()` little-endian f16s to f32: an f16 KV cache's rows, read
@@ -91,15 +66,6 @@ fn load(dtype: DType, row: &[u8], i: usize) -> f32 {
 
 mod scalar {
     use super::*;
-
-    /// Columns `start..` of [`super::weighted_sum`].
-    pub fn weighted_sum<'a>(out: &mut [f32], w: &[f32], row: &impl Fn(usize) -> &'a [f32], start: usize) {
-        out[start..].fill(0.0);
-        for (t, &wt) in w.iter().enumerate() {
-            let v = &row(t)[start..out.len()];
-            out[start..].iter_mut().zip(v).for_each(|(a, &b)| *a += wt * b);
-        }
-    }
 
     /// Elements `start..end`, with eight independent partial sums so the order is
     /// fixed and the compiler can keep them in vector registers.
@@ -179,44 +145,6 @@ mod x86 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
         _mm_cvtss_f32(s)
-    }
-
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn weighted_sum_avx2<'a>(out: &mut [f32], w: &[f32], row: &impl Fn(usize) -> &'a [f32]) {
-        let n = out.len();
-        let mut c = 0;
-        unsafe {
-            while c + 64 <= n {
-                let mut acc = [_mm256_setzero_ps(); 8];
-                for (t, &wt) in w.iter().enumerate() {
-                    let v = row(t);
-                    assert!(v.len() >= c + 64, "weighted_sum: row {t} is shorter than the output");
-                    let (vp, wv) = (v.as_ptr().add(c), _mm256_set1_ps(wt));
-                    for (k, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(vp.add(8 * k))));
-                    }
-                }
-                for (k, a) in acc.iter().enumerate() {
-                    _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * k), *a);
-                }
-                c += 64;
-            }
-        }
-        scalar::weighted_sum(out, w, row, c);
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_rows_avx2<'a>(a: &[u8], row: &impl Fn(usize) -> &'a [f32], out: &mut [f32]) {
-        for (t, o) in out.iter_mut().enumerate() {
-            *o = unsafe { dot_avx2(DType::F32, a, row(t)) };
-        }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot_rows_avx512<'a>(a: &[u8], row: &impl Fn(usize) -> &'a [f32], out: &mut [f32]) {
-        for (t, o) in out.iter_mut().enumerate() {
-            *o = unsafe { dot_avx512(DType::F32, a, row(t)) };
-        }
     }
 
     #[inline]

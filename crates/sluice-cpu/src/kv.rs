@@ -160,6 +160,31 @@ impl KvCache {
         c.value_into(pos, head, v);
     }
 
+    /// Asks the CPU to start reading head `head` of position `pos` (keys and values)
+    /// into its caches, if a coded cache holds it: attention asks for the next tile's rows
+    /// while it scores the current one, so that a long cache streams from memory
+    /// without the core waiting at each tile's start.
+    pub fn prefetch(&self, pos: usize, head: usize) {
+        if pos < self.first() || pos >= self.len {
+            return;
+        }
+        // (an f32 cache is the exact references' and the tests', not worth the lines)
+        let Rows::Coded { codec, k, v, .. } = &self.rows else { return };
+        let (at, bytes) = (self.slot(pos) * codec.row_bytes() + head * codec.head_bytes, codec.head_bytes);
+        #[cfg(target_arch = "x86_64")]
+        for line in (0..bytes).step_by(64) {
+            // Safety: `at + line` lies inside both buffers (the position is held), and
+            // a prefetch reads nothing the program sees.
+            unsafe {
+                use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+                _mm_prefetch::<_MM_HINT_T0>(k.as_ptr().add(at + line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(v.as_ptr().add(at + line) as *const i8);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (k, v, at, bytes);
+    }
+
     fn slot(&self, pos: usize) -> usize {
         self.window.map_or(pos, |w| pos % w)
     }

@@ -18,6 +18,7 @@ mod par;
 mod plain;
 mod quant;
 pub mod router;
+pub mod tile;
 
 pub use attention::{AttnParams, AttnSeq, KvCache, attention};
 pub use dot::{dot_f32, dot_row, row_to_f32};

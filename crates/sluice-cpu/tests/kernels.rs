@@ -499,33 +499,45 @@ fn kv_codes_unpack_to_their_centroids() {
     select(best());
 }
 
-/// Attention's vector loops give the bits of their scalar definitions on every ISA:
-/// `dot_f32_rows` is `dot_f32` per row, `weighted_sum` the in-order sum of
-/// separately rounded products (whole 64-column blocks and a tail).
+/// Attention's tile products give the bits of their definitions on every ISA and for
+/// any number of queries: a score is one fused multiply-add chain over the channels in
+/// order, a value sum one chain per channel over the positions in order, each starting
+/// from what the accumulator held. Query counts that fill no vector, head dims that are
+/// no multiple of sixteen, key ranges that start inside the tile.
 #[test]
-fn attention_loops_keep_their_scalar_bits() {
-    use sluice_cpu::dot::{dot_f32_rows, weighted_sum};
+fn attention_tiles_keep_their_chains() {
+    use sluice_cpu::tile::{Lanes, scores, values};
     let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let mut rng = Rng(9);
-    for hd in [64, 128, 256, 72, 8, 3] {
+    for (hd, queries) in [(64, 1), (128, 6), (128, 19), (256, 8), (72, 3), (8, 17), (3, 2), (96, 5)] {
         let len = 37;
-        let q = random_input(1, hd, &mut rng);
-        let rows = random_input(len, hd, &mut rng);
-        let w: Vec<f32> = random_input(1, len, &mut rng).iter().map(|v| v.abs()).collect();
-        let row = |t: usize| &rows[t * hd..(t + 1) * hd];
-        let mut want_sum = vec![0f32; hd];
-        for (t, &wt) in w.iter().enumerate() {
-            want_sum.iter_mut().zip(row(t)).for_each(|(a, &b)| *a += wt * b);
+        let q = random_input(queries, hd, &mut rng);
+        let keys = random_input(len, hd, &mut rng);
+        // Weights position-major, as attention keeps them: `w[t * queries + i]`.
+        let w = random_input(len, queries, &mut rng);
+        let start = random_input(queries, hd, &mut rng);
+        let rows = 5..len;
+        let lanes = Lanes::new(&q, hd);
+        let want_score = |i: usize, t: usize| (0..hd).fold(0f32, |a, d| keys[t * hd + d].mul_add(q[i * hd + d], a));
+        let mut want_acc = start.clone();
+        for (i, acc) in want_acc.chunks_mut(hd).enumerate() {
+            for t in rows.clone() {
+                acc.iter_mut().enumerate().for_each(|(c, a)| *a = w[t * queries + i].mul_add(keys[t * hd + c], *a));
+            }
         }
         for v in variants() {
             select(v);
-            let mut scores = vec![0f32; len];
-            dot_f32_rows(&q, row, &mut scores);
-            let want: Vec<f32> = (0..len).map(|t| dot_f32(&q, row(t))).collect();
-            assert_bitwise(&format!("dot_f32_rows {v:?} head_dim {hd}"), &scores, &want);
-            let mut got = vec![f32::NAN; hd];
-            weighted_sum(&mut got, &w, row);
-            assert_bitwise(&format!("weighted_sum {v:?} head_dim {hd}"), &got, &want_sum);
+            let mut got = vec![f32::NAN; len * lanes.width()];
+            scores(&lanes, &keys, rows.clone(), &mut got);
+            for i in 0..queries {
+                let got: Vec<f32> = rows.clone().map(|t| got[t * lanes.width() + i]).collect();
+                let want: Vec<f32> = rows.clone().map(|t| want_score(i, t)).collect();
+                assert_bitwise(&format!("scores {v:?} head_dim {hd}, query {i} of {queries}"), &got, &want);
+            }
+            let mut acc = start.clone();
+            let value_rows: Vec<&[f32]> = rows.clone().map(|t| &keys[t * hd..(t + 1) * hd]).collect();
+            values(&mut acc, hd, (&w[rows.start * queries..], queries), &value_rows);
+            assert_bitwise(&format!("values {v:?} head_dim {hd}, {queries} queries"), &acc, &want_acc);
         }
     }
     select(best());
