@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Prefill and decode speed at long contexts, sluice at each --kv-bits beside llama.cpp's
-# llama-bench (f16 cache, flash attention off and on, and its q8_0 / q4_0 caches), the
-# two alternated round by round so that the machine's drift falls on both; prints the
+# Prefill and decode speed at long contexts, sluice at each --kv-bits beside llama.cpp
+# (f16 cache, flash attention off and on, and its q8_0 / q4_0 caches), the two
+# alternated round by round so that the machine's drift falls on both; prints the
 # medians as a markdown table.
 #
 #   LLAMA_BENCH=path/to/llama-bench scripts/kv_speed.sh [MODEL] [CONTEXTS] [WIDTHS] [ROUNDS]
@@ -9,7 +9,10 @@
 # Defaults: Qwen2.5-Coder-1.5B from .cache/models, context 2048, widths "16 4", 3 rounds,
 # 2 threads (THREADS). A context N is `sluice bench --prompt-tokens N --gen-tokens 32`
 # (prefill N tokens, then decode 32 after them) against `llama-bench -p N -n 0` and
-# `llama-bench -p 0 -n 32 -d N`.
+# `llama-bench -p 0 -n 32 -d N`. With LLAMA_BATCHED_BENCH (llama-batched-bench) in place
+# of LLAMA_BENCH, llama.cpp's two figures come from one run (`-npp N -ntg 32 -npl 1`: the
+# prefill of N tokens from an empty cache, then 32 tokens decoded after them), which
+# prefills once where llama-bench prefills twice: half the time at 8k and 16k.
 set -euo pipefail
 model="${1:-.cache/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}"
 contexts="${2:-2048}"
@@ -17,7 +20,7 @@ widths="${3:-16 4}"
 rounds="${4:-3}"
 threads="${THREADS:-2}"
 sluice="${SLUICE:-target/release/sluice}"
-llama="${LLAMA_BENCH:?LLAMA_BENCH names llama.cpp\'s llama-bench}"
+llama="${LLAMA_BENCH:-${LLAMA_BATCHED_BENCH:?LLAMA_BENCH or LLAMA_BATCHED_BENCH names llama.cpp\'s llama-bench or llama-batched-bench}}"
 export LD_LIBRARY_PATH="$(dirname "$llama"):${LD_LIBRARY_PATH:-}"
 rows="$(mktemp)"
 trap 'rm -f "$rows"' EXIT
@@ -32,8 +35,14 @@ for r in $(seq "$rounds"); do
         done
         for cfg in "f16 0" "f16 1" "q8_0 1" "q4_0 1"; do
             set -- $cfg
-            p=$(lb -p "$c" -n 0 -fa "$2" -ctk "$1" -ctv "$1")
-            d=$(lb -p 0 -n 32 -d "$c" -fa "$2" -ctk "$1" -ctv "$1")
+            if [ -n "${LLAMA_BATCHED_BENCH:-}" ]; then
+                read -r p d < <("$llama" -m "$model" -t "$threads" -c $((c + 64)) -npp "$c" -ntg 32 -npl 1 \
+                    -fa "$2" -ctk "$1" -ctv "$1" --output-format jsonl 2>/dev/null |
+                    python3 -c 'import json,sys; j=[json.loads(l) for l in sys.stdin if l.startswith("{")][-1]; print(j["speed_pp"], j["speed_tg"])')
+            else
+                p=$(lb -p "$c" -n 0 -fa "$2" -ctk "$1" -ctv "$1")
+                d=$(lb -p 0 -n 32 -d "$c" -fa "$2" -ctk "$1" -ctv "$1")
+            fi
             printf '%s\tllama.cpp, %s, -fa %s\t%s\t%s\n' "$c" "$1" "$2" "$p" "$d" >>"$rows"
         done
     done

@@ -287,7 +287,7 @@ impl Job<'_> {
                     // same forms at once.
                     let mut q0 = 0;
                     while q0 < n {
-                        let same = |qi: &usize| spans[*qi] == spans[q0] && cuts[*qi] == cuts[q0];
+                        let same = |qi: &usize| spans[*qi] == spans[q0] && (se.is_empty() || cuts[*qi] == cuts[q0]);
                         let q1 = (q0..n).take_while(same).last().unwrap_or(q0) + 1;
                         let span = spans[q0].clone();
                         if !span.is_empty() {
