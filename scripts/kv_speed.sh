@@ -19,6 +19,9 @@ contexts="${2:-2048}"
 widths="${3:-16 4}"
 rounds="${4:-3}"
 threads="${THREADS:-2}"
+# llama.cpp's caches, "TYPE FA" comma-separated (a q8_0 or q4_0 cache prefills 16k tokens
+# in about 15 minutes here: LLAMA_CACHES="f16 0,f16 1" leaves them out).
+llama_caches="${LLAMA_CACHES:-f16 0,f16 1,q8_0 1,q4_0 1}"
 sluice="${SLUICE:-target/release/sluice}"
 llama="${LLAMA_BENCH:-${LLAMA_BATCHED_BENCH:?LLAMA_BENCH or LLAMA_BATCHED_BENCH names llama.cpp\'s llama-bench or llama-batched-bench}}"
 export LD_LIBRARY_PATH="$(dirname "$llama"):${LD_LIBRARY_PATH:-}"
@@ -33,7 +36,8 @@ for r in $(seq "$rounds"); do
                 --no-roofline --threads "$threads" --kv-bits "$w" 2>/dev/null)
             python3 -c 'import json,sys; j=json.loads(sys.argv[1]); print(sys.argv[2], "sluice, --kv-bits " + sys.argv[3], j["prefill_tok_s"], j["decode_tok_s"], sep="\t")' "$j" "$c" "$w" >>"$rows"
         done
-        for cfg in "f16 0" "f16 1" "q8_0 1" "q4_0 1"; do
+        IFS=, read -ra cfgs <<<"$llama_caches"
+        for cfg in "${cfgs[@]}"; do
             set -- $cfg
             if [ -n "${LLAMA_BATCHED_BENCH:-}" ]; then
                 read -r p d < <("$llama" -m "$model" -t "$threads" -c $((c + 64)) -npp "$c" -ntg 32 -npl 1 \

@@ -67,16 +67,13 @@ pub fn attention(p: &AttnParams<'_>, q: &[f32], k_new: &[f32], v_new: &[f32], se
     let parallel = total >= 1 << 14;
     // Query heads per task: a KV head's whole group shares each tile, but one decode
     // row then has as few tasks as KV heads (one on Gemma 3), so the group is split
-    // until every thread has work: two tasks a thread, or one where the cache is coded,
-    // since each task decodes the tiles it reads (Qwen2.5's decode row at 4 bits, two
-    // KV heads on two threads: split in four, every tile was decoded twice).
+    // until every thread has a task, and no further, since each task reads the tiles of
+    // its KV head (Qwen2.5's decode row, two KV heads on two threads: split in four, every
+    // tile was read twice; decode after 4096 positions 2% slower in 16 bits, more coded).
     let threads = if parallel { rayon::current_num_threads() } else { 1 };
     let blocks: usize = seqs.iter().map(|s| s.rows.div_ceil(ROWS)).sum();
-    let per_thread = if seqs.iter().any(|s| s.cache.codec().is_some()) { 1 } else { 2 };
-    let heads = (1..=group)
-        .rev()
-        .find(|&d| group.is_multiple_of(d) && blocks * (p.n_heads / d) >= per_thread * threads)
-        .unwrap_or(1);
+    let heads =
+        (1..=group).rev().find(|&d| group.is_multiple_of(d) && blocks * (p.n_heads / d) >= threads).unwrap_or(1);
     // A coded cache's sequences code their new rows in the same format first, so that
     // a chunk reads its own keys and values as every later step will (a prompt gives the
     // same result however it is cut into chunks).
@@ -113,8 +110,9 @@ pub fn attention(p: &AttnParams<'_>, q: &[f32], k_new: &[f32], v_new: &[f32], se
     }
 }
 
-/// Positions per tile: a tile's keys and values (f32) stay in the first-level cache.
-const TILE: usize = 32;
+/// Positions per tile: a tile's keys and values (f32) stay in the first-level cache, and
+/// a coded cache keeps each head's rows of a tile together.
+const TILE: usize = crate::kv::BLOCK;
 /// Rows per task: each tile is read once for this many rows' queries.
 const ROWS: usize = 16;
 
@@ -250,7 +248,7 @@ impl Job<'_> {
                     let codes = from.max(exact.sinks)..b.min(cut_hi);
                     if !codes.is_empty() {
                         (b..(b + TILE).min(start)).for_each(|j| cache.prefetch(j, kvh));
-                        self.gather(t.seq, kvh, from..b, &mut kt, &mut vt);
+                        self.gather_run(t.seq, kvh, from..b, &mut kt, &mut vt);
                         tile::scores(&lanes, &kt, codes.start - from..codes.end - from, &mut sc);
                     }
                     let runs = [
@@ -274,9 +272,16 @@ impl Job<'_> {
                     for r in 0..b - from {
                         let x = from + r;
                         let at = r * width..(r + 1) * width;
-                        for (qi, o) in w[at.clone()].iter_mut().enumerate() {
-                            let sv = if is_exact(x, cuts[qi]) { &se } else { &sc };
-                            *o = (sv[r * width + qi] + lifts[qi]) * p.scale;
+                        if se.is_empty() {
+                            // (one vector a position: no query reads an exact row)
+                            for ((o, s), l) in w[at.clone()].iter_mut().zip(&sc[at.clone()]).zip(&lifts) {
+                                *o = (s + l) * p.scale;
+                            }
+                        } else {
+                            for (qi, o) in w[at.clone()].iter_mut().enumerate() {
+                                let sv = if is_exact(x, cuts[qi]) { &se } else { &sc };
+                                *o = (sv[r * width + qi] + lifts[qi]) * p.scale;
+                            }
                         }
                         if let Some(cap) = p.softcap {
                             softcap(&mut w[at], cap);
@@ -379,6 +384,27 @@ impl Job<'_> {
                 kr.copy_from_slice(&self.k_new[at..at + hd]);
                 vr.copy_from_slice(&self.v_new[at..at + hd]);
             }
+        }
+    }
+
+    /// As [`Job::gather`] for the positions `run`, which a coded cache reads a block at
+    /// a time.
+    fn gather_run(&self, seq: usize, kvh: usize, run: std::ops::Range<usize>, k: &mut [f32], v: &mut [f32]) {
+        let s = &self.seqs[seq];
+        let (cache, start) = (s.cache, s.cache.len());
+        if cache.codec().is_none() {
+            return self.gather(seq, kvh, run, k, v);
+        }
+        let hd = self.p.head_dim;
+        // The positions before the chunk from the cache, the chunk's own from its codes.
+        let mid = run.end.min(start).max(run.start);
+        let (k, v) = (&mut k[..run.len() * hd], &mut v[..run.len() * hd]);
+        let ((k0, k1), (v0, v1)) = (k.split_at_mut((mid - run.start) * hd), v.split_at_mut((mid - run.start) * hd));
+        if run.start < mid {
+            cache.run_into(run.start..mid, kvh, k0, v0);
+        }
+        if mid < run.end {
+            self.coded[seq].run_into(mid - start..run.end - start, kvh, k1, v1);
         }
     }
 
