@@ -39,7 +39,7 @@ enum Rows {
         v: Vec<f32>,
     },
     /// `codec.row_bytes()` per position, in blocks of [`BLOCK`] slots: a block holds
-    /// head 0's rows of its slots, then head 1's, and so on ([`KvCache::head_at`]).
+    /// head 0's rows of its slots, then head 1's, and so on ([`Codec::head_at`]).
     Coded {
         codec: Arc<Codec>,
         k: Vec<u8>,
@@ -329,9 +329,11 @@ impl KvCache {
             }
             Rows::Coded { codec, k: ks, v: vs, exact } => {
                 let (rb, hb) = (codec.row_bytes(), codec.head_bytes);
-                if ks.len() < held.next_multiple_of(BLOCK) * rb {
-                    ks.resize(held.next_multiple_of(BLOCK) * rb, 0);
-                    vs.resize(held.next_multiple_of(BLOCK) * rb, 0);
+                // (whole blocks: a block's heads lie apart)
+                let bytes = held.next_multiple_of(BLOCK) * rb;
+                if ks.len() < bytes {
+                    ks.resize(bytes, 0);
+                    vs.resize(bytes, 0);
                 }
                 let mut moved = vec![0f32; if codec.moves_keys() { d } else { 0 }];
                 let mut row = vec![0u8; rb];
