@@ -599,6 +599,8 @@ impl Codec {
     fn decode_rows(&self, bytes: &[u8], out: &mut [f32]) {
         match self.format {
             KvFormat::F16 => crate::dot::f16_to_f32(bytes, out),
+            // (every row's blocks in one pass: a row is whole blocks)
+            KvFormat::Turbo(_) => unpack_blocks(&self.books, self.block, bytes, out),
             _ => bytes.chunks(self.head_bytes).zip(out.chunks_mut(self.head_dim)).for_each(|(b, o)| self.decode(b, o)),
         }
     }
@@ -627,11 +629,13 @@ pub struct Codebook {
     pub bits: u32,
     pub centroids: Vec<f32>,
     thresholds: Vec<f32>,
+    /// The centroids padded to sixteen, as the unpacking kernels load them.
+    table: [f32; 16],
 }
 
 impl Codebook {
     fn empty() -> Arc<Codebook> {
-        Arc::new(Codebook { bits: 0, centroids: Vec::new(), thresholds: Vec::new() })
+        Arc::new(Codebook { bits: 0, centroids: Vec::new(), thresholds: Vec::new(), table: [0.0; 16] })
     }
 
     /// The code of `x`: the index of its nearest centroid.
@@ -679,8 +683,16 @@ impl Codebook {
                 }
             }
         }
+        Codebook::of(bits, &c)
+    }
+
+    /// The book of `bits` with these centroids (ascending), coding to the nearest.
+    fn of(bits: u32, c: &[f64]) -> Codebook {
         let thresholds = c.windows(2).map(|w| ((w[0] + w[1]) / 2.0) as f32).collect();
-        Codebook { bits, centroids: c.iter().map(|&x| x as f32).collect(), thresholds }
+        let centroids: Vec<f32> = c.iter().map(|&x| x as f32).collect();
+        let mut table = [0f32; 16];
+        table.iter_mut().zip(&centroids).for_each(|(t, c)| *t = *c);
+        Codebook { bits, centroids, thresholds, table }
     }
 }
 
@@ -743,14 +755,14 @@ pub fn unpack(book: &Codebook, norm: f32, bytes: &[u8], out: &mut [f32]) {
         bytes.len(),
         out.len()
     );
-    unpack_on(crate::isa(), &Table::new(book, norm), bits, bytes, out);
+    unpack_on(crate::isa(), Table { centroids: &book.table, norm }, bits, bytes, out);
 }
 
-/// One head of a TurboQuant cache decoded: per rotation block of `block` values, its
-/// f16 norm, then each half's codes in its own book's width (whole bytes: a half is a
-/// multiple of 8 codes). A coded cache's rows are read position by position at every
-/// step, so this is one dispatch per head and a table lookup per sixteen codes on
-/// AVX-512 (per eight on AVX2).
+/// Heads of a TurboQuant cache decoded, one after another: per rotation block of
+/// `block` values, its f16 norm, then each half's codes in its own book's width (whole
+/// bytes: a half is a multiple of 8 codes). Attention decodes a tile's rows of a head at
+/// every step, so this is one dispatch per tile and a table lookup per sixteen codes on
+/// AVX-512 (per eight on AVX2), the table scaled by the block's norm in registers.
 fn unpack_blocks(books: &[Arc<Codebook>; 2], block: usize, bytes: &[u8], out: &mut [f32]) {
     let bits = [books[0].bits as usize, books[1].bits as usize];
     let split = block / 2 * bits[0] / 8;
@@ -763,14 +775,14 @@ fn unpack_blocks(books: &[Arc<Codebook>; 2], block: usize, bytes: &[u8], out: &m
         for (book, bits, codes, o) in
             [(&books[0], bits[0], &c[2..2 + split], first), (&books[1], bits[1], &c[2 + split..], second)]
         {
-            unpack_on(isa, &Table::new(book, norm), bits, codes, o);
+            unpack_on(isa, Table { centroids: &book.table, norm }, bits, codes, o);
         }
     }
 }
 
 /// [`unpack`] on a chosen ISA, the table already scaled.
 #[inline(always)]
-fn unpack_on(isa: crate::Isa, table: &Table, bits: usize, bytes: &[u8], out: &mut [f32]) {
+fn unpack_on(isa: crate::Isa, table: Table<'_>, bits: usize, bytes: &[u8], out: &mut [f32]) {
     match isa {
         // SAFETY: `isa` came from `crate::isa()`, which checked the CPU's features.
         #[cfg(target_arch = "x86_64")]
@@ -781,16 +793,13 @@ fn unpack_on(isa: crate::Isa, table: &Table, bits: usize, bytes: &[u8], out: &mu
     }
 }
 
-/// A book's centroids times one block's norm, the value each code decodes to.
-struct Table([f32; 16]);
-
-impl Table {
-    #[inline(always)]
-    fn new(book: &Codebook, norm: f32) -> Table {
-        let mut t = [0f32; 16];
-        t.iter_mut().zip(&book.centroids).for_each(|(t, c)| *t = c * norm);
-        Table(t)
-    }
+/// A book's centroids and one block's norm: a code decodes to its centroid times the
+/// norm (a product the kernels form sixteen at a time in a register; writing the
+/// products to memory for a vector load to read back stalled that load).
+#[derive(Clone, Copy)]
+struct Table<'a> {
+    centroids: &'a [f32; 16],
+    norm: f32,
 }
 
 /// `len` (at most 8) little-endian bytes of `bytes` from `at` as one word: eight
@@ -812,12 +821,12 @@ fn group(bytes: &[u8], at: usize, bits: usize) -> u32 {
     word(bytes, at, bits) as u32
 }
 
-fn unpack_scalar(table: &Table, bits: usize, bytes: &[u8], out: &mut [f32]) {
+fn unpack_scalar(table: Table<'_>, bits: usize, bytes: &[u8], out: &mut [f32]) {
     let mask = (1u32 << bits) - 1;
     for (k, o) in out.chunks_exact_mut(8).enumerate() {
         let w = group(bytes, k * bits, bits);
         for (i, o) in o.iter_mut().enumerate() {
-            *o = table.0[(w >> (i * bits) & mask) as usize];
+            *o = table.centroids[(w >> (i * bits) & mask) as usize] * table.norm;
         }
     }
 }
@@ -833,17 +842,32 @@ mod x86 {
     /// table held in one register.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    pub unsafe fn unpack_avx512(table: &Table, bits: usize, bytes: &[u8], out: &mut [f32]) {
+    pub unsafe fn unpack_avx512(table: Table<'_>, bits: usize, bytes: &[u8], out: &mut [f32]) {
         let n = out.len();
         let b = bits as i32;
         unsafe {
-            let t = _mm512_loadu_ps(table.0.as_ptr());
+            let t = _mm512_mul_ps(_mm512_loadu_ps(table.centroids.as_ptr()), _mm512_set1_ps(table.norm));
             // Lane l holds code l % 8 of its group: shifted right by (l % 8) * bits.
             let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
             let shifts = _mm512_mullo_epi32(lane, _mm512_set1_epi32(b));
             let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
             let mask = _mm512_set1_epi32((1 << bits) - 1);
             let mut i = 0;
+            if bits == 4 {
+                // Thirty-two codes a step: sixteen bytes' low and high nibbles,
+                // interleaved back into code order, widened and looked up.
+                let nibble = _mm_set1_epi8(0x0f);
+                while i + 32 <= n {
+                    let x = _mm_loadu_si128(bytes[i / 2..i / 2 + 16].as_ptr() as *const __m128i);
+                    let lo = _mm_and_si128(x, nibble);
+                    let hi = _mm_and_si128(_mm_srli_epi16(x, 4), nibble);
+                    for (k, codes) in [_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)].into_iter().enumerate() {
+                        let v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), t);
+                        _mm512_storeu_ps(out.as_mut_ptr().add(i + 16 * k), v);
+                    }
+                    i += 32;
+                }
+            }
             while i + 16 <= n {
                 // Two groups' words, the second in the upper half of one 64-bit word.
                 let x = word(bytes, i / 8 * bits, 2 * bits);
@@ -863,10 +887,12 @@ mod x86 {
     /// blend on the code's top bit.
     #[target_feature(enable = "avx2")]
     #[inline]
-    pub unsafe fn unpack_avx2(table: &Table, bits: usize, bytes: &[u8], out: &mut [f32]) {
+    pub unsafe fn unpack_avx2(table: Table<'_>, bits: usize, bytes: &[u8], out: &mut [f32]) {
         let b = bits as i32;
         unsafe {
-            let (lo, hi) = (_mm256_loadu_ps(table.0.as_ptr()), _mm256_loadu_ps(table.0.as_ptr().add(8)));
+            let norm = _mm256_set1_ps(table.norm);
+            let lo = _mm256_mul_ps(_mm256_loadu_ps(table.centroids.as_ptr()), norm);
+            let hi = _mm256_mul_ps(_mm256_loadu_ps(table.centroids.as_ptr().add(8)), norm);
             let shifts = _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b);
             let mask = _mm256_set1_epi32((1 << bits) - 1);
             for (k, o) in out.chunks_exact_mut(8).enumerate() {
@@ -1041,7 +1067,7 @@ pub(crate) mod tests {
     #[test]
     fn unpack_reads_what_the_writer_packed() {
         for bits in 2..=4u32 {
-            let book = Codebook { bits, centroids: (0..1 << bits).map(|k| k as f32).collect(), thresholds: Vec::new() };
+            let book = Codebook::of(bits, &(0..1 << bits).map(f64::from).collect::<Vec<_>>());
             let codes: Vec<u32> = (0..64u64).map(|i| (splitmix(i * 7 + bits as u64) % (1 << bits)) as u32).collect();
             let mut bytes = vec![0u8; 64 * bits as usize / 8];
             let mut w = BitWriter::new(&mut bytes);
