@@ -57,6 +57,16 @@ pub enum RopeStyle {
     Interleaved,
 }
 
+impl RopeStyle {
+    /// The two channels of rotary pair `p` in a head of `head_dim`.
+    pub fn pair(self, p: usize, head_dim: usize) -> (usize, usize) {
+        match self {
+            RopeStyle::Half => (p, p + head_dim / 2),
+            RopeStyle::Interleaved => (2 * p, 2 * p + 1),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeSpec {
     pub style: RopeStyle,

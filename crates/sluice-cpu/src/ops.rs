@@ -1,6 +1,6 @@
 //! Element-wise and row-wise kernels: norms, activations, RoPE, softmax, top-k.
 
-use sluice_core::{Activation, Glu, RopeSpec, RopeStyle};
+use sluice_core::{Activation, Glu, RopeSpec};
 
 /// RMS-normalises each `group`-long slice of `x` in place (a whole row, or one head),
 /// then multiplies by `weight + offset` when a weight is given.
@@ -135,7 +135,6 @@ pub fn top_k(x: &[f32], k: usize) -> Vec<usize> {
 /// `positions[i]`. Angles are `pos * inv_freq` in f32, as `transformers` computes
 /// them; pairs with a zero frequency are left as they are.
 pub fn rope(x: &mut [f32], head_dim: usize, positions: &[usize], spec: &RopeSpec) {
-    let half = head_dim / 2;
     let n = positions.len();
     if n == 0 {
         return;
@@ -152,10 +151,7 @@ pub fn rope(x: &mut [f32], head_dim: usize, positions: &[usize], spec: &RopeSpec
         }
         for h in r.chunks_mut(head_dim) {
             for (p, &(cos, sin)) in cs.iter().enumerate() {
-                let (a, b) = match spec.style {
-                    RopeStyle::Half => (p, p + half),
-                    RopeStyle::Interleaved => (2 * p, 2 * p + 1),
-                };
+                let (a, b) = spec.style.pair(p, head_dim);
                 let (x1, x2) = (h[a], h[b]);
                 h[a] = x1 * cos - x2 * sin;
                 h[b] = x2 * cos + x1 * sin;
@@ -179,7 +175,7 @@ pub fn glu_any(glu: Glu, gate: &mut [f32], up: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sluice_core::RopeScaling;
+    use sluice_core::{RopeScaling, RopeStyle};
 
     #[test]
     fn fast_exp_and_activations_are_accurate() {

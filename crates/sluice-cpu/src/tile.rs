@@ -23,7 +23,6 @@ pub const LANES: usize = 8;
 pub struct Lanes {
     data: Vec<[f32; LANES]>,
     head_dim: usize,
-    queries: usize,
 }
 
 impl Lanes {
@@ -37,11 +36,7 @@ impl Lanes {
                 group[d][i % LANES] = x;
             }
         }
-        Lanes { data, head_dim, queries }
-    }
-
-    pub fn queries(&self) -> usize {
-        self.queries
+        Lanes { data, head_dim }
     }
 
     /// Queries rounded up to whole groups: the row length of [`scores`]' output.
@@ -59,6 +54,7 @@ impl Lanes {
 /// `d` from zero.
 pub fn scores(q: &Lanes, keys: &[f32], rows: Range<usize>, out: &mut [f32]) {
     assert!(keys.len() >= rows.end * q.head_dim && out.len() >= rows.end * q.width(), "scores: short tile");
+    // SAFETY: `isa()` checked that the CPU has the features these functions enable.
     match isa() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { scores_avx512(q, keys, rows, out) },
@@ -149,6 +145,7 @@ pub fn values(acc: &mut [f32], head_dim: usize, (w, stride): (&[f32], usize), ro
     let m = acc.len() / head_dim;
     assert!(rows.iter().all(|r| r.len() >= head_dim), "values: a row is shorter than the head");
     assert!(rows.is_empty() || m == 0 || w.len() >= (rows.len() - 1) * stride + m, "values: short weights");
+    // SAFETY: `isa()` checked that the CPU has the features these functions enable.
     match isa() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { values_avx512(acc, head_dim, (w, stride), rows) },
@@ -254,6 +251,7 @@ pub fn fold(
         spans.len(),
         w.len()
     );
+    // SAFETY: `isa()` checked that the CPU has the features these functions enable.
     match isa() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { fold_avx512(w, len, spans, (max, sum), (acc, head_dim)) },

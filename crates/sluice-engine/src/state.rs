@@ -5,7 +5,7 @@
 //! reference to an earlier layer's cache, a fixed-size recurrent state, a latent
 //! cache), and [`SeqState`] holds one [`LayerState`] of that kind per layer.
 
-use sluice_core::{Error, ExactRows, KvFormat, KvLayout, Result, RopeStyle};
+use sluice_core::{Error, ExactRows, KvFormat, KvLayout, Result};
 use sluice_formats::Checkpoint;
 use sluice_formats::names::{TensorId, TensorKind};
 
@@ -72,10 +72,7 @@ pub fn key_shifts(ckpt: &Checkpoint) -> Result<Vec<Option<Vec<f32>>>> {
                     if f * context > SLOW_PAIR {
                         continue;
                     }
-                    let (x, y) = match a.rope.style {
-                        RopeStyle::Half => (p, p + hd / 2),
-                        RopeStyle::Interleaved => (2 * p, 2 * p + 1),
-                    };
+                    let (x, y) = a.rope.style.pair(p, hd);
                     // RoPE scales what it rotates by the attention factor (YaRN).
                     for c in [x, y] {
                         s[c] = b[c] * a.rope.attention_factor;
@@ -118,10 +115,7 @@ pub fn key_scales(ckpt: &Checkpoint) -> Result<Vec<Option<Vec<f32>>>> {
             let (wq, wk) = (weight(TensorKind::AttnQNorm)?, weight(TensorKind::AttnKNorm)?);
             let mut scale: Vec<f32> = wq.iter().zip(&wk).map(|(q, k)| pair_scale(*q, *k)).collect();
             for p in 0..a.rope.inv_freq.len() {
-                let (x, y) = match a.rope.style {
-                    RopeStyle::Half => (p, p + hd / 2),
-                    RopeStyle::Interleaved => (2 * p, 2 * p + 1),
-                };
+                let (x, y) = a.rope.style.pair(p, hd);
                 let rms = |w: &[f32]| ((w[x] * w[x] + w[y] * w[y]) / 2.0).sqrt();
                 let s = pair_scale(rms(&wq), rms(&wk));
                 (scale[x], scale[y]) = (s, s);
