@@ -586,7 +586,7 @@ impl Codec {
             for (i, v) in c.iter().enumerate() {
                 let book = &self.books[usize::from(i >= b / 2)];
                 let code = book.code(v * inv);
-                coded += book.centroids[code as usize] * book.centroids[code as usize];
+                coded += book.table[code as usize] * book.table[code as usize];
                 bits.put(code, book.bits);
             }
             let scale = if coded > 0.0 { norm / coded.sqrt() } else { 0.0 };
@@ -627,15 +627,19 @@ impl Codec {
 #[derive(Debug)]
 pub struct Codebook {
     pub bits: u32,
-    pub centroids: Vec<f32>,
-    thresholds: Vec<f32>,
-    /// The centroids padded to sixteen, as the unpacking kernels load them.
+    /// The centroids, padded with zeros to sixteen as the unpacking kernels load them.
     table: [f32; 16],
+    thresholds: Vec<f32>,
 }
 
 impl Codebook {
     fn empty() -> Arc<Codebook> {
-        Arc::new(Codebook { bits: 0, centroids: Vec::new(), thresholds: Vec::new(), table: [0.0; 16] })
+        Arc::new(Codebook { bits: 0, table: [0.0; 16], thresholds: Vec::new() })
+    }
+
+    /// The book's `2^bits` centroids, ascending (none for the empty book).
+    pub fn centroids(&self) -> &[f32] {
+        &self.table[..if self.bits == 0 { 0 } else { 1 << self.bits }]
     }
 
     /// The code of `x`: the index of its nearest centroid.
@@ -689,10 +693,9 @@ impl Codebook {
     /// The book of `bits` with these centroids (ascending), coding to the nearest.
     fn of(bits: u32, c: &[f64]) -> Codebook {
         let thresholds = c.windows(2).map(|w| ((w[0] + w[1]) / 2.0) as f32).collect();
-        let centroids: Vec<f32> = c.iter().map(|&x| x as f32).collect();
         let mut table = [0f32; 16];
-        table.iter_mut().zip(&centroids).for_each(|(t, c)| *t = *c);
-        Codebook { bits, centroids, thresholds, table }
+        table.iter_mut().zip(c).for_each(|(t, &c)| *t = c as f32);
+        Codebook { bits, table, thresholds }
     }
 }
 

@@ -469,7 +469,7 @@ fn kv_codes_unpack_to_their_centroids() {
             for n in (8..=136).step_by(8) {
                 let mut out = vec![f32::NAN; n];
                 unpack(&book, norm, &bytes, &mut out);
-                let want: Vec<f32> = codes[..n].iter().map(|&c| book.centroids[c] * norm).collect();
+                let want: Vec<f32> = codes[..n].iter().map(|&c| book.centroids()[c] * norm).collect();
                 assert_bitwise(&format!("{v:?} {bits} bits n={n}"), &out, &want);
             }
         }
