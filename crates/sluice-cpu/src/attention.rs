@@ -269,10 +269,13 @@ impl Job<'_> {
                     // A position's form for a query whose recent positions begin at `cut`
                     // (where the query reads it; the scores it does not read are not used).
                     let is_exact = |x: usize, cut: usize| !se.is_empty() && (x < exact.sinks || x >= cut);
+                    // Whether no query reads any of the tile's positions exact (most tiles of a
+                    // long context: only the sinks' and the recent rows' tiles differ).
+                    let all_coded = se.is_empty() || (from >= exact.sinks && b <= cut_lo);
                     for r in 0..b - from {
                         let x = from + r;
                         let at = r * width..(r + 1) * width;
-                        if se.is_empty() {
+                        if all_coded {
                             // (one vector a position: no query reads an exact row)
                             for ((o, s), l) in w[at.clone()].iter_mut().zip(&sc[at.clone()]).zip(&lifts) {
                                 *o = (s + l) * p.scale;
@@ -292,7 +295,7 @@ impl Job<'_> {
                     // same forms at once.
                     let mut q0 = 0;
                     while q0 < n {
-                        let same = |qi: &usize| spans[*qi] == spans[q0] && (se.is_empty() || cuts[*qi] == cuts[q0]);
+                        let same = |qi: &usize| spans[*qi] == spans[q0] && (all_coded || cuts[*qi] == cuts[q0]);
                         let q1 = (q0..n).take_while(same).last().unwrap_or(q0) + 1;
                         let span = spans[q0].clone();
                         if !span.is_empty() {
