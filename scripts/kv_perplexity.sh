@@ -6,12 +6,17 @@
 #   scripts/kv_perplexity.sh [MODEL] [CONTEXTS] [WIDTHS] [TOKENS]
 #
 # Defaults: Qwen2.5-Coder-1.5B from .cache/models, contexts "4096 8192", widths
-# "16 4 3.5 2", and 16384 tokens a context (its number of windows). Prints a markdown
+# "16 4 3.5 2" (an empty string: llama.cpp alone), and 16384 tokens a context (its number of windows). Prints a markdown
 # table: PPL +- its standard error, and the ratio to the first width's PPL.
+#
+# With LLAMA_PERPLEXITY (llama.cpp's llama-perplexity), the same windows of the same text
+# are also scored by llama.cpp with each of its caches in LLAMA_CACHES (default
+# "f16 q8_0 q4_0", flash attention on, which its quantized V cache needs), the ratio then
+# to its first cache. Both score the second half of each window.
 set -euo pipefail
 model="${1:-.cache/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}"
 contexts="${2:-4096 8192}"
-widths="${3:-16 4 3.5 2}"
+widths="${3-16 4 3.5 2}"
 tokens="${4:-16384}"
 sluice="${SLUICE:-target/release/sluice}"
 text="$(mktemp --suffix .txt)"
@@ -28,5 +33,20 @@ for c in $contexts; do
         base="${base:-$ppl}"
         ratio=$(python3 -c "print(f'{$ppl / $base:.4f}')")
         printf '| %s | %s | %.4f +- %.4f | %s | %.0f |\n' "$c" "$w" "$ppl" "$err" "$ratio" "$secs"
+    done
+done
+[ -n "${LLAMA_PERPLEXITY:-}" ] || exit 0
+export LD_LIBRARY_PATH="$(dirname "$LLAMA_PERPLEXITY"):${LD_LIBRARY_PATH:-}"
+llama_caches="${LLAMA_CACHES:-f16 q8_0 q4_0}"
+for c in $contexts; do
+    base=""
+    for t in $llama_caches; do
+        start=$(date +%s)
+        read -r ppl err < <("$LLAMA_PERPLEXITY" -m "$model" -f "$text" -c "$c" --chunks $((tokens / c)) \
+            -t "${THREADS:-2}" -fa on -ctk "$t" -ctv "$t" 2>&1 |
+            sed -n 's/.*Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\).*/\1 \2/p')
+        base="${base:-$ppl}"
+        ratio=$(python3 -c "print(f'{$ppl / $base:.4f}')")
+        printf '| %s | llama.cpp %s | %.4f +- %.4f | %s | %s |\n' "$c" "$t" "$ppl" "$err" "$ratio" $(($(date +%s) - start))
     done
 done
