@@ -770,26 +770,47 @@ pub fn unpack(book: &Codebook, norm: f32, bytes: &[u8], out: &mut [f32]) {
 /// read 32 codes a load as the 4-bit half was: decode after 4096 positions at 3.5 bits
 /// spent 10% of its time unpacking, most of it in the 3-bit half's 16-code path.)
 fn unpack_blocks(books: &[Arc<Codebook>; 2], block: usize, bytes: &[u8], out: &mut [f32]) {
-    let bits = [books[0].bits as usize, books[1].bits as usize];
-    let split = block / 2 * bits[0] / 8;
-    let per_block = 2 + split + block / 2 * bits[1] / 8;
-    assert_eq!(bytes.len(), out.len() / block * per_block, "unpack: a head's bytes");
+    let split = BlockSplit::new(books, block);
+    assert_eq!(bytes.len(), out.len() / block * split.per_block, "unpack: a head's bytes");
     let isa = crate::isa();
     #[cfg(target_arch = "x86_64")]
     if isa == crate::Isa::Avx512 {
         // SAFETY: `isa` came from `crate::isa()`, which checked the CPU's features.
-        return unsafe {
-            x86::unpack_blocks_avx512([(&books[0].table, bits[0]), (&books[1].table, bits[1])], block, bytes, out)
-        };
+        return unsafe { x86::unpack_blocks_avx512([&books[0].table, &books[1].table], split, bytes, out) };
     }
-    for (o, c) in out.chunks_exact_mut(block).zip(bytes.chunks_exact(per_block)) {
+    for (o, c) in out.chunks_exact_mut(block).zip(bytes.chunks_exact(split.per_block)) {
         let norm = f16::from_le_bytes([c[0], c[1]]).to_f32();
         let (first, second) = o.split_at_mut(block / 2);
-        for (book, bits, codes, o) in
-            [(&books[0], bits[0], &c[2..2 + split], first), (&books[1], bits[1], &c[2 + split..], second)]
-        {
+        let (a, b) = split.halves(c);
+        for (book, bits, codes, o) in [(&books[0], split.bits[0], a, first), (&books[1], split.bits[1], b, second)] {
             unpack_on(isa, Table { centroids: &book.table, norm }, bits, codes, o);
         }
+    }
+}
+
+/// Where a rotation block's parts lie in its bytes: the f16 norm, then the first half's
+/// codes (`bits[0]` wide), then the second's.
+#[derive(Clone, Copy)]
+struct BlockSplit {
+    /// Values in a block (a rotation's length).
+    block: usize,
+    bits: [usize; 2],
+    /// Bytes of the block from the end of the norm to the second half's codes.
+    first: usize,
+    per_block: usize,
+}
+
+impl BlockSplit {
+    fn new(books: &[Arc<Codebook>; 2], block: usize) -> BlockSplit {
+        let bits = [books[0].bits as usize, books[1].bits as usize];
+        let first = block / 2 * bits[0] / 8;
+        BlockSplit { block, bits, first, per_block: 2 + first + block / 2 * bits[1] / 8 }
+    }
+
+    /// One block's bytes: the codes of its two halves.
+    #[inline(always)]
+    fn halves(self, block: &[u8]) -> (&[u8], &[u8]) {
+        block[2..].split_at(self.first)
     }
 }
 
@@ -815,23 +836,17 @@ struct Table<'a> {
     norm: f32,
 }
 
-/// `len` (at most 8) little-endian bytes of `bytes` from `at` as one word: eight
-/// codes are `bits` bytes. Reads eight bytes at once where the slice has them (a copy
-/// of a variable length would be a call to `memcpy` per group).
-#[inline(always)]
-fn word(bytes: &[u8], at: usize, len: usize) -> u64 {
-    let all = if at + 8 <= bytes.len() {
-        u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
-    } else {
-        bytes[at..at + len].iter().rev().fold(0u64, |w, &b| w << 8 | b as u64)
-    };
-    if len == 8 { all } else { all & ((1u64 << (8 * len)) - 1) }
-}
-
-/// Eight codes' bytes as one little-endian word.
+/// Eight codes' bytes (`bits` of them, at most 4) from `at` as one little-endian word.
+/// Reads eight bytes at once where the slice has them (a copy of a variable length
+/// would be a call to `memcpy` per group).
 #[inline(always)]
 fn group(bytes: &[u8], at: usize, bits: usize) -> u32 {
-    word(bytes, at, bits) as u32
+    if at + 8 <= bytes.len() {
+        let all = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+        (all & ((1u64 << (8 * bits)) - 1)) as u32
+    } else {
+        bytes[at..at + bits].iter().rev().fold(0u32, |w, &b| w << 8 | b as u32)
+    }
 }
 
 fn unpack_scalar(table: Table<'_>, bits: usize, bytes: &[u8], out: &mut [f32]) {
@@ -850,7 +865,7 @@ mod x86 {
 
     use half::f16;
 
-    use super::{Table, group};
+    use super::{BlockSplit, Table, group};
 
     /// Where the codes of one width lie for a step of 32 (at most sixteen bytes, loaded
     /// once and repeated in each 128-bit lane): per lane `j` of a register, the shuffle
@@ -944,16 +959,16 @@ mod x86 {
     /// [`super::unpack_blocks`] on AVX-512: the layouts and tables made once for all the
     /// blocks, each block's table scaled by its norm in a register.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub fn unpack_blocks_avx512(books: [(&[f32; 16], usize); 2], block: usize, bytes: &[u8], out: &mut [f32]) {
-        let layouts = books.map(|(_, bits)| Layout::new(bits));
-        let tables = [layouts[0].repeat(books[0].0), layouts[1].repeat(books[1].0)];
-        let split = block / 2 * books[0].1 / 8;
-        let per_block = 2 + split + block / 2 * books[1].1 / 8;
-        for (o, c) in out.chunks_exact_mut(block).zip(bytes.chunks_exact(per_block)) {
+    pub fn unpack_blocks_avx512(books: [&[f32; 16]; 2], split: BlockSplit, bytes: &[u8], out: &mut [f32]) {
+        let layouts = split.bits.map(|bits| Layout::new(bits));
+        let tables = [layouts[0].repeat(books[0]), layouts[1].repeat(books[1])];
+        let block = split.block;
+        for (o, c) in out.chunks_exact_mut(block).zip(bytes.chunks_exact(split.per_block)) {
             let norm = _mm512_set1_ps(f16::from_le_bytes([c[0], c[1]]).to_f32());
             let (first, second) = o.split_at_mut(block / 2);
-            layouts[0].decode(_mm512_mul_ps(tables[0], norm), &c[2..2 + split], first);
-            layouts[1].decode(_mm512_mul_ps(tables[1], norm), &c[2 + split..], second);
+            let (a, b) = split.halves(c);
+            layouts[0].decode(_mm512_mul_ps(tables[0], norm), a, first);
+            layouts[1].decode(_mm512_mul_ps(tables[1], norm), b, second);
         }
     }
 
