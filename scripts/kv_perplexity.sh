@@ -20,15 +20,22 @@ widths="${3-16 4 3.5 2}"
 tokens="${4:-16384}"
 sluice="${SLUICE:-target/release/sluice}"
 text="$(mktemp --suffix .txt)"
-trap 'rm -f "$text"' EXIT
+log="$(mktemp)"
+trap 'rm -f "$text" "$log"' EXIT
 find /usr/share/common-licenses -type f | sort | xargs cat >"$text"
+# A run that fails stops the table with the run it was and the end of what it said.
+fail() {
+    echo "kv_perplexity.sh: $1; its last lines:" >&2
+    tail -n 5 <<<"$2" >&2
+    exit 1
+}
 echo "| context | --kv-bits | PPL | ratio to --kv-bits ${widths%% *} | seconds |"
 echo "| --- | --- | --- | --- | --- |"
 for c in $contexts; do
     base=""
     for w in $widths; do
         j=$("$sluice" perplexity --model "$model" --file "$text" --context "$c" --chunks $((tokens / c)) \
-            --kv-bits "$w" --json 2>/dev/null)
+            --kv-bits "$w" --json 2>"$log") || fail "sluice perplexity --context $c --kv-bits $w failed (exit $?)" "$(cat "$log")"
         read -r ppl err secs <<<"$(python3 -c 'import json,sys; j=json.loads(sys.argv[1]); print(j["ppl"], j["ppl_stderr"], j["seconds"])' "$j")"
         base="${base:-$ppl}"
         ratio=$(python3 -c "print(f'{$ppl / $base:.4f}')")
@@ -42,9 +49,10 @@ for c in $contexts; do
     base=""
     for t in $llama_caches; do
         start=$(date +%s)
-        read -r ppl err < <("$LLAMA_PERPLEXITY" -m "$model" -f "$text" -c "$c" --chunks $((tokens / c)) \
-            -t "${THREADS:-2}" -fa on -ctk "$t" -ctv "$t" 2>&1 |
-            sed -n 's/.*Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\).*/\1 \2/p')
+        out=$("$LLAMA_PERPLEXITY" -m "$model" -f "$text" -c "$c" --chunks $((tokens / c)) \
+            -t "${THREADS:-2}" -fa on -ctk "$t" -ctv "$t" 2>&1) || fail "llama-perplexity -c $c, $t cache failed (exit $?)" "$out"
+        read -r ppl err < <(sed -n 's/.*Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\).*/\1 \2/p' <<<"$out") ||
+            fail "llama-perplexity -c $c, $t cache printed no final estimate" "$out"
         base="${base:-$ppl}"
         ratio=$(python3 -c "print(f'{$ppl / $base:.4f}')")
         printf '| %s | llama.cpp %s | %.4f +- %.4f | %s | %s |\n' "$c" "$t" "$ppl" "$err" "$ratio" $(($(date +%s) - start))

@@ -114,6 +114,12 @@ pub struct BenchArgs {
     /// Skip measuring memory bandwidth (the resident-decode roofline)
     #[arg(long)]
     no_roofline: bool,
+    /// Compare KV cache widths in one process (16,4,3.5): one sequence per width, each
+    /// prefilled from the same prompt, then --gen-tokens decoded for each in turns of
+    /// 4 tokens, the widths taking turns so that the machine's drift falls on all alike;
+    /// decode_tok_s is the median over a width's turns
+    #[arg(long, value_name = "BITS,..", value_delimiter = ',', value_parser = crate::parse_kv_bits, conflicts_with_all = ["kv_bits", "parallel", "repeat"])]
+    compare_kv_bits: Vec<sluice_core::KvFormat>,
 }
 
 #[derive(Args)]
@@ -438,6 +444,8 @@ fn record_routing<B: Backend>(e: &EngineArgs, model: &Model<B>) -> Result<()> {
 /// model.gguf), or a Hugging Face folder's tokenizer.json.
 fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
     let path = &sluice_formats::pack::model_path(path);
+    // A path that is not there is named as the model, not as a folder missing its tokenizer.
+    std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
     if path.is_file() { Tokenizer::from_gguf(&GgufFile::open(path)?) } else { Tokenizer::from_hf_dir(path) }
 }
 
@@ -847,7 +855,161 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         return Err(Error::Usage("--repeat, --prompt-tokens, --gen-tokens and --parallel must be at least 1".into()));
     }
     let threads = init_threads(a.engine.threads)?;
+    if !a.compare_kv_bits.is_empty() {
+        return with_backend!(&a.engine, |loaded| bench_kv_widths(&a, threads, loaded));
+    }
     with_backend!(&a.engine, |loaded| bench_on(&a, threads, loaded))
+}
+
+/// A `bench --json` report: what ran and how (model, threads, backend, prompt and
+/// decode lengths), then `figures`' fields.
+fn bench_report<B: Backend>(
+    a: &BenchArgs,
+    threads: usize,
+    (model, load_s, weights): (&Model<B>, f64, &str),
+    figures: serde_json::Value,
+) -> serde_json::Value {
+    let mut j = json!({
+        "model": a.engine.model,
+        "arch": model.spec.arch,
+        "threads": threads,
+        "isa": format!("{:?}", sluice_cpu::isa()),
+        "backend": model.be.name(),
+        "precision": precision_name(model),
+        "weights": weights,
+        "load_s": load_s,
+        "prompt_tokens": a.prompt_tokens,
+        "gen_tokens": a.gen_tokens,
+    });
+    if let (Some(head), serde_json::Value::Object(more)) = (j.as_object_mut(), figures) {
+        head.extend(more);
+    }
+    j
+}
+
+/// Decode tokens a width runs in one turn of `bench --compare-kv-bits`: few enough that
+/// the widths alternate many times, enough that a turn is not one token's noise.
+const KV_TURN_TOKENS: usize = 4;
+
+/// What `bench --compare-kv-bits` reports of one width.
+#[derive(serde::Serialize)]
+struct KvWidthFigures {
+    kv_bits: f32,
+    prefill_tok_s: f64,
+    /// The median of its turns.
+    decode_tok_s: f64,
+    decode_turns_tok_s: Vec<f64>,
+    kv_cache_bytes: usize,
+    kv_bytes_per_position: usize,
+    /// Memory bandwidth over the weights' bytes and the cache's at the decode's middle.
+    roofline_decode_tok_s: Option<f64>,
+    decode_fraction_of_roofline: Option<f64>,
+}
+
+/// One width of `bench --compare-kv-bits`: its sequence and what it measured.
+struct KvWidthRun<B: Backend> {
+    format: sluice_core::KvFormat,
+    state: sluice_engine::SeqState<B>,
+    logits: Vec<f32>,
+    prefill_tok_s: f64,
+    /// Tokens per second of each turn.
+    turns: Vec<f64>,
+}
+
+fn bench_kv_widths<B: Backend>(
+    a: &BenchArgs,
+    threads: usize,
+    Loaded { mut model, load_s, weights }: Loaded<B>,
+) -> Result<()> {
+    let prompt = bench_prompt(model.spec.vocab_size, a.prompt_tokens, 0);
+    let mut stats = StepStats::default();
+    let mut widths = Vec::new();
+    for &format in &a.compare_kv_bits {
+        // A state takes the model's format when it is made; the steps read it from the state.
+        model.kv_format = format;
+        let mut state = model.new_state()?;
+        let t = Instant::now();
+        let logits = model.prefill(&mut [&mut state], &[&prompt], &mut stats).pop().expect("one result")?;
+        let prefill_tok_s = a.prompt_tokens as f64 / t.elapsed().as_secs_f64();
+        if !a.json {
+            eprintln!("--kv-bits {format}: prefilled {} tokens at {prefill_tok_s:.1} tok/s", a.prompt_tokens);
+        }
+        widths.push(KvWidthRun { format, state, logits, prefill_tok_s, turns: Vec::new() });
+    }
+    let n = widths.len();
+    for round in 0..a.gen_tokens.div_ceil(KV_TURN_TOKENS) {
+        // Each round starts with the next width, so none always follows the same one.
+        for i in 0..n {
+            let w = &mut widths[(round + i) % n];
+            let t = Instant::now();
+            for _ in 0..KV_TURN_TOKENS {
+                let next = [sluice_engine::sampler::argmax(&w.logits)];
+                let mut chunk = [Chunk { state: &mut w.state, tokens: &next, logits: Logits::Last }];
+                w.logits = model.step(&mut chunk, &mut stats).pop().expect("one result")?;
+            }
+            w.turns.push(KV_TURN_TOKENS as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    let bw = (!a.no_roofline).then(|| sluice_engine::stats::memory_read_bandwidth(1 << 30, 5));
+    let rows: Vec<KvWidthFigures> = widths
+        .into_iter()
+        .map(|w| {
+            let per_position = w.state.kv_bytes_per_position(&model.be);
+            // A decode step reads the weights once and every held position's keys and
+            // values once: at the decode's middle length, that over bandwidth bounds it.
+            let positions = a.prompt_tokens + a.gen_tokens / 2;
+            let roofline = bw.map(|bw| bw / (model.bytes_per_token as f64 + (per_position * positions) as f64));
+            let decode = median(&mut w.turns.clone());
+            KvWidthFigures {
+                kv_bits: w.format.bits(),
+                prefill_tok_s: w.prefill_tok_s,
+                decode_tok_s: decode,
+                decode_turns_tok_s: w.turns,
+                kv_cache_bytes: w.state.kv_bytes(&model.be),
+                kv_bytes_per_position: per_position,
+                roofline_decode_tok_s: roofline,
+                decode_fraction_of_roofline: roofline.map(|r| decode / r),
+            }
+        })
+        .collect();
+    if a.json {
+        let j = bench_report(
+            a,
+            threads,
+            (&model, load_s, weights),
+            json!({
+                "turn_tokens": KV_TURN_TOKENS,
+                "weight_bytes_per_token": model.bytes_per_token,
+                "memory_read_bytes_per_s": bw,
+                "widths": rows,
+                "peak_rss_bytes": peak_rss_bytes(),
+            }),
+        );
+        println!("{j}");
+        return Ok(());
+    }
+    println!(
+        "{}: {} backend, {} threads ({:?}), {} prompt tokens, {} decoded per width in turns of {}",
+        a.engine.model.display(),
+        model.be.name(),
+        threads,
+        sluice_cpu::isa(),
+        a.prompt_tokens,
+        a.gen_tokens,
+        KV_TURN_TOKENS
+    );
+    println!("kv bits  prefill tok/s  decode tok/s (median)  KV bytes/position  decode roofline");
+    for r in &rows {
+        println!(
+            "{:>7}  {:>13.1}  {:>21.2}  {:>17}  {:>15}",
+            r.kv_bits,
+            r.prefill_tok_s,
+            r.decode_tok_s,
+            r.kv_bytes_per_position,
+            r.roofline_decode_tok_s.map_or("-".into(), |v| format!("{v:.1}"))
+        );
+    }
+    Ok(())
 }
 
 fn bench_on<B: Backend>(a: &BenchArgs, threads: usize, Loaded { model, load_s, weights }: Loaded<B>) -> Result<()> {
@@ -942,44 +1104,39 @@ fn bench_on<B: Backend>(a: &BenchArgs, threads: usize, Loaded { model, load_s, w
     };
     let disk_roofline = disk.as_ref().filter(|_| disk_per_tok > 0.0).map(|b| b.bytes_per_s / disk_per_tok);
     if a.json {
-        let j = json!({
-            "model": a.engine.model,
-            "arch": model.spec.arch,
-            "threads": threads,
-            "isa": format!("{:?}", sluice_cpu::isa()),
-            "backend": model.be.name(),
-            "precision": precision_name(&model),
-            "weights": weights,
-            "load_s": load_s,
-            "prompt_tokens": a.prompt_tokens,
-            "gen_tokens": a.gen_tokens,
-            "repeat": a.repeat,
-            "parallel": a.parallel,
-            "prefill_tok_s": p,
-            "decode_tok_s": d,
-            "decode_tok_s_per_sequence": d_seq,
-            "runs": runs,
-            "peak_rss_bytes": rss,
-            "kv_bits": model.kv_format.bits(),
-            "kv_cache_bytes": kv,
-            // What one position of a sequence takes, every layer together, in the
-            // caches' formats (kv_cache_bytes also counts the buffers' spare room).
-            "kv_bytes_per_position": per_position,
-            "weight_bytes_per_token": model.bytes_per_token,
-            "memory_read_bytes_per_s": bw,
-            "roofline_decode_tok_s": roofline,
-            "decode_fraction_of_roofline": roofline.map(|r| d / r),
-            "decode_disk_bytes_per_token": disk_per_tok,
-            "decode_storage_bytes_per_token": storage_per_tok,
-            "decode_hit_rate": hit,
-            "disk": disk,
-            "disk_roofline_decode_tok_s": disk_roofline,
-            "decode_fraction_of_disk_roofline": disk_roofline.map(|r| d / r),
-            "phases_last_run": phases,
-            "experts": expert_stats(&model, &pilot),
-            // The backend's own tier (VRAM) since it opened, over every run: null on the CPU.
-            "device_experts": model.be.expert_traffic(),
-        });
+        let j = bench_report(
+            a,
+            threads,
+            (&model, load_s, weights),
+            json!({
+                "repeat": a.repeat,
+                "parallel": a.parallel,
+                "prefill_tok_s": p,
+                "decode_tok_s": d,
+                "decode_tok_s_per_sequence": d_seq,
+                "runs": runs,
+                "peak_rss_bytes": rss,
+                "kv_bits": model.kv_format.bits(),
+                "kv_cache_bytes": kv,
+                // What one position of a sequence takes, every layer together, in the
+                // caches' formats (kv_cache_bytes also counts the buffers' spare room).
+                "kv_bytes_per_position": per_position,
+                "weight_bytes_per_token": model.bytes_per_token,
+                "memory_read_bytes_per_s": bw,
+                "roofline_decode_tok_s": roofline,
+                "decode_fraction_of_roofline": roofline.map(|r| d / r),
+                "decode_disk_bytes_per_token": disk_per_tok,
+                "decode_storage_bytes_per_token": storage_per_tok,
+                "decode_hit_rate": hit,
+                "disk": disk,
+                "disk_roofline_decode_tok_s": disk_roofline,
+                "decode_fraction_of_disk_roofline": disk_roofline.map(|r| d / r),
+                "phases_last_run": phases,
+                "experts": expert_stats(&model, &pilot),
+                // The backend's own tier (VRAM) since it opened, over every run: null on the CPU.
+                "device_experts": model.be.expert_traffic(),
+            }),
+        );
         println!("{j}");
     } else {
         println!(

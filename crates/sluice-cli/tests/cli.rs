@@ -239,6 +239,8 @@ fn prompt_file_is_the_prompt() {
         o.stdout
     };
     assert_eq!(run(["--prompt-file", file.to_str().unwrap()]), run(["--prompt", "The fox"]));
+    let nowhere = tmp.join("no-such-model.gguf");
+    assert_one_error(&sluice(&["run", "--model", nowhere.to_str().unwrap(), "--prompt", "hi"]), "no-such-model.gguf");
     let missing = tmp.join("no-such-prompt.txt");
     assert_one_error(&sluice(&["run", "--model", m, "--prompt-file", missing.to_str().unwrap()]), "no-such-prompt.txt");
     assert_one_error(&sluice(&["run", "--model", m, "--prompt-file", bad.to_str().unwrap()]), "not UTF-8");
@@ -558,6 +560,56 @@ fn bench_reports_kv_bytes_per_position() {
         // 5 prompt tokens and 3 decoded: the buffers hold at least 8 positions.
         assert!(j["kv_cache_bytes"].as_u64().unwrap() >= 8 * heads * per_head, "--kv-bits {bits}: {j}");
     }
+}
+
+/// `bench --compare-kv-bits` gives each width its own sequence in its own format (the
+/// bytes per position of each, as above) and decodes them in turns of 4 tokens; it
+/// cannot be mixed with the flags that would make its runs something else.
+#[test]
+fn bench_compares_kv_widths_in_turns() {
+    let m = fixture("qwen3-moe");
+    let m = m.to_str().unwrap();
+    let c: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("qwen3-moe").join("config.json")).unwrap()).unwrap();
+    let dim = |k: &str| c[k].as_u64().unwrap();
+    let (heads, head_dim) = (dim("num_hidden_layers") * 2 * dim("num_key_value_heads"), dim("head_dim"));
+    let o = sluice(&[
+        "bench",
+        "--model",
+        m,
+        "--compare-kv-bits",
+        "32,16,4",
+        "--prompt-tokens",
+        "5",
+        "--gen-tokens",
+        "6",
+        "--json",
+        "--no-roofline",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let widths = j["widths"].as_array().unwrap();
+    assert_eq!(widths.len(), 3, "{j}");
+    for (w, (bits, per_head)) in
+        widths.iter().zip([(32.0, 4 * head_dim), (16.0, 2 * head_dim), (4.0, head_dim / 2 + 2)])
+    {
+        assert_eq!(w["kv_bits"].as_f64(), Some(bits), "{w}");
+        assert_eq!(w["kv_bytes_per_position"].as_u64(), Some(heads * per_head), "{w}");
+        // 6 tokens in turns of 4: two turns, each timed.
+        let turns = w["decode_turns_tok_s"].as_array().unwrap();
+        assert_eq!(turns.len(), 2, "{w}");
+        assert!(turns.iter().all(|t| t.as_f64().unwrap() > 0.0), "{w}");
+    }
+    // clap's own errors: a first line naming the flag, then its usage.
+    let refused = |args: &[&str], flag: &str| {
+        let o = sluice(&[&["bench", "--model", m, "--compare-kv-bits"], args].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        let first = err.lines().next().unwrap_or("");
+        assert!(!o.status.success() && first.starts_with("error: ") && first.contains(flag), "{err}");
+    };
+    refused(&["16,4", "--kv-bits", "4"], "--kv-bits");
+    refused(&["16,4", "--parallel", "2"], "--parallel");
+    refused(&["16,5"], "takes 2, 3, 3.5, 4, 8, 16 or 32");
 }
 
 #[test]

@@ -296,13 +296,19 @@ fn fold_any(
     let width = max.len();
     for l0 in (0..width).step_by(LANES) {
         let lo: [u32; LANES] = std::array::from_fn(|l| spans[l0 + l].start as u32);
-        let hi: [u32; LANES] = std::array::from_fn(|l| spans[l0 + l].end as u32);
+        // A position `r` is read by lane `l` when `r - lo` (wrapping) is below the span's
+        // length: one unsigned comparison, which the loops below take eight lanes at a
+        // time (two, joined by `&&`, kept them scalar).
+        let span: [u32; LANES] = std::array::from_fn(|l| spans[l0 + l].len() as u32);
         let mut m: [f32; LANES] = max[l0..l0 + LANES].try_into().unwrap();
         for r in 0..len {
             let row: &[f32; LANES] = w[r * width + l0..][..LANES].try_into().unwrap();
             for l in 0..LANES {
-                let seen = (r as u32) >= lo[l] && (r as u32) < hi[l];
-                m[l] = m[l].max(if seen { row[l] } else { f32::NEG_INFINITY });
+                let seen = (r as u32).wrapping_sub(lo[l]) < span[l];
+                let x = if seen { row[l] } else { f32::NEG_INFINITY };
+                // (a comparison, not `f32::max`, whose NaN rule kept this loop scalar;
+                // scores are never NaN, and the maximum is the same)
+                m[l] = if x > m[l] { x } else { m[l] };
             }
         }
         for (l, &m) in m.iter().enumerate() {
@@ -319,7 +325,7 @@ fn fold_any(
         for r in 0..len {
             let row: &mut [f32; LANES] = (&mut w[r * width + l0..][..LANES]).try_into().unwrap();
             for l in 0..LANES {
-                let seen = (r as u32) >= lo[l] && (r as u32) < hi[l];
+                let seen = (r as u32).wrapping_sub(lo[l]) < span[l];
                 let e = exp_fast(row[l] - m[l]);
                 row[l] = if seen { e } else { 0.0 };
                 s[l] += row[l];
