@@ -17,27 +17,11 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::Rng;
+use common::{Rng, time};
 use sluice_core::{ExactRows, KvFormat, KvLayout};
 use sluice_cpu::attention::{AttnParams, AttnSeq, KvCache, attention};
-
-/// Seconds per call of `f`: the best of five trials of at least `min / 5` each.
-fn time(min: Duration, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        let mut calls = 0u64;
-        let t = Instant::now();
-        while t.elapsed() < min / 5 || calls < 2 {
-            f();
-            calls += 1;
-        }
-        best = best.min(t.elapsed().as_secs_f64() / calls as f64);
-    }
-    best
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

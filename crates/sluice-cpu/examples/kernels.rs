@@ -26,9 +26,9 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{Rng, random_input, random_matrix};
+use common::{Rng, random_input, random_matrix, time};
 use sluice_core::{DType, MatRef, Precision};
 use sluice_cpu::matmul;
 
@@ -39,24 +39,6 @@ fn parse(name: &str) -> DType {
         .into_iter()
         .find(|d| d.name().eq_ignore_ascii_case(name))
         .unwrap_or_else(|| panic!("unknown type {name}"))
-}
-
-/// Seconds per call of `f`: the best of five trials, each the mean over at least
-/// `min / 5` of repeated calls (the best trial is the one least disturbed by other
-/// processes on a shared machine).
-fn time(min: Duration, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        let mut calls = 0u64;
-        let t = Instant::now();
-        while t.elapsed() < min / 5 || calls < 2 {
-            f();
-            calls += 1;
-        }
-        best = best.min(t.elapsed().as_secs_f64() / calls as f64);
-    }
-    best
 }
 
 fn pool(threads: usize) -> rayon::ThreadPool {

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+use std::time::{Duration, Instant};
+
 use sluice_core::DType;
 
 pub const ALL: [DType; 12] = DType::ALL;
@@ -82,4 +84,22 @@ pub fn random_input(n: usize, cols: usize, rng: &mut Rng) -> Vec<f32> {
         }
     }
     x
+}
+
+/// Seconds per call of `f`: the best of five trials, each the mean over at least
+/// `min / 5` of repeated calls (the best trial is the one least disturbed by other
+/// processes on a shared machine).
+pub fn time(min: Duration, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let mut calls = 0u64;
+        let t = Instant::now();
+        while t.elapsed() < min / 5 || calls < 2 {
+            f();
+            calls += 1;
+        }
+        best = best.min(t.elapsed().as_secs_f64() / calls as f64);
+    }
+    best
 }
