@@ -920,8 +920,8 @@ mod x86 {
         fn decode(&self, t: __m512, bytes: &[u8], out: &mut [f32]) {
             let (n, bits) = (out.len(), self.bits);
             assert!(n.is_multiple_of(8) && bytes.len() >= n / 8 * bits, "unpack: {n} codes of {bits} bits");
-            // Whole steps of 32 codes (4 bits bytes each) without a branch: a row of
-            // 128 is four of them, and the loop's bookkeeping was most of its time.
+            // Whole steps of 32 codes (4 bits bytes each) with no length or mask worked
+            // out per step: a row of 128 is four of them, each a few vector instructions.
             let step = ((1u32 << (4 * bits)) - 1) as u16;
             let whole = n / 32;
             for s in 0..whole {
@@ -978,8 +978,8 @@ mod x86 {
         let tables = [layouts[0].repeat(books[0]), layouts[1].repeat(books[1])];
         let block = split.block;
         for (o, c) in out.chunks_exact_mut(block).zip(bytes.chunks_exact(split.per_block)) {
-            // (the F16C conversion: `half`'s own, outside a function compiled for it, is
-            // a software one, a tenth of a row's unpacking)
+            // (the F16C conversion: `half`'s own, outside a function compiled for F16C,
+            // takes its software path)
             let norm = u16::from_le_bytes([c[0], c[1]]);
             let norm = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(norm as i32)));
             let (first, second) = o.split_at_mut(block / 2);
