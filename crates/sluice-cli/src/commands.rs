@@ -919,15 +919,13 @@ struct KvWidthRun<B: Backend> {
 fn bench_kv_widths<B: Backend>(
     a: &BenchArgs,
     threads: usize,
-    Loaded { mut model, load_s, weights }: Loaded<B>,
+    Loaded { model, load_s, weights }: Loaded<B>,
 ) -> Result<()> {
     let prompt = bench_prompt(model.spec.vocab_size, a.prompt_tokens, 0);
     let mut stats = StepStats::default();
     let mut widths = Vec::new();
     for &format in &a.compare_kv_bits {
-        // A state takes the model's format when it is made; the steps read it from the state.
-        model.kv_format = format;
-        let mut state = model.new_state()?;
+        let mut state = model.new_state_in(format)?;
         let t = Instant::now();
         let logits = model.prefill(&mut [&mut state], &[&prompt], &mut stats).pop().expect("one result")?;
         let prefill_tok_s = a.prompt_tokens as f64 / t.elapsed().as_secs_f64();

@@ -193,7 +193,13 @@ impl<B: Backend> Model<B> {
 
     /// A new, empty sequence.
     pub fn new_state(&self) -> Result<SeqState<B>> {
-        SeqState::new(&self.be, &self.state, (self.kv_format, self.kv_exact), &self.key_forms)
+        self.new_state_in(self.kv_format)
+    }
+
+    /// A new, empty sequence whose KV caches store positions in `format` rather than
+    /// the model's [`Model::kv_format`] (a step reads each sequence's own format).
+    pub fn new_state_in(&self, format: KvFormat) -> Result<SeqState<B>> {
+        SeqState::new(&self.be, &self.state, (format, self.kv_exact), &self.key_forms)
     }
 
     /// A one-sequence session.
