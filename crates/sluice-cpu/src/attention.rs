@@ -248,8 +248,7 @@ impl Job<'_> {
                     let codes = from.max(exact.sinks)..b.min(cut_hi);
                     if !codes.is_empty() {
                         (b..(b + TILE).min(start)).for_each(|j| cache.prefetch(j, kvh));
-                        self.gather_run(t.seq, kvh, from..b, &mut kt, &mut vt);
-                        tile::scores(&lanes, &kt, codes.start - from..codes.end - from, &mut sc);
+                        self.score_run(t.seq, kvh, (from..b, codes), &lanes, (&mut kt, &mut vt), &mut sc);
                     }
                     let runs = [
                         (exact.sinks > 0, from..b.min(exact.sinks)),
@@ -386,6 +385,45 @@ impl Job<'_> {
                 let at = (s.first + j - start) * kv_dim + kvh * hd;
                 kr.copy_from_slice(&self.k_new[at..at + hd]);
                 vr.copy_from_slice(&self.v_new[at..at + hd]);
+            }
+        }
+    }
+
+    /// The values of KV head `kvh` at positions `run` into `v` (as [`Job::gather_run`]),
+    /// and every query's scores against the keys at positions `codes` (within `run`) into
+    /// `sc`, row `j - run.start` for position `j`. A TurboQuant cache on AVX-512 scores
+    /// its codes where they lie ([`KvCache::key_scores`], `k` its scratch), the others
+    /// decode the keys into `k` for [`tile::scores`]: the same bits.
+    fn score_run(
+        &self,
+        seq: usize,
+        kvh: usize,
+        (run, codes): (std::ops::Range<usize>, std::ops::Range<usize>),
+        lanes: &Lanes,
+        (k, v): (&mut [f32], &mut [f32]),
+        sc: &mut [f32],
+    ) {
+        let s = &self.seqs[seq];
+        let (cache, start) = (s.cache, s.cache.len());
+        if !cache.scores_from_codes() {
+            self.gather_run(seq, kvh, run.clone(), k, v);
+            return tile::scores(lanes, k, codes.start - run.start..codes.end - run.start, sc);
+        }
+        let (hd, width) = (self.p.head_dim, lanes.width());
+        // The positions before the chunk from the cache, the chunk's own from its codes.
+        let parts = |r: std::ops::Range<usize>| {
+            let mid = r.end.min(start).max(r.start);
+            [(cache, r.start..mid, 0), (&self.coded[seq], mid..r.end, start)]
+        };
+        for (c, part, shift) in parts(run.clone()) {
+            if !part.is_empty() {
+                c.values_into(part.start - shift..part.end - shift, kvh, &mut v[(part.start - run.start) * hd..]);
+            }
+        }
+        for (c, part, shift) in parts(codes) {
+            if !part.is_empty() {
+                let out = &mut sc[(part.start - run.start) * width..];
+                c.key_scores(part.start - shift..part.end - shift, kvh, lanes, out, k);
             }
         }
     }

@@ -15,11 +15,14 @@
 //! rotates the sum back once.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use sluice_core::{Error, ExactRows, KvFormat, KvLayout, Result};
+
+use crate::tile::Lanes;
 
 /// One layer's keys and values, `kv_dim` floats per position. Full-attention layers
 /// keep every position; sliding layers keep a ring of the last `window`.
@@ -74,6 +77,13 @@ impl Exact {
         let (head_dim, kv_dim) = (codec.head_dim, codec.heads * codec.head_dim);
         KvCache::with_layout(&KvLayout { window, ..KvLayout::plain(kv_dim, head_dim, KvFormat::F16) })
     }
+}
+
+/// Which of a position's rows.
+#[derive(Clone, Copy)]
+enum Side {
+    Keys,
+    Values,
 }
 
 /// Slots per block of a coded cache. Attention reads tiles of this many positions
@@ -237,19 +247,82 @@ impl KvCache {
     /// Head `head` of positions `run`, keys into `k` and values into `v` (`head_dim`
     /// each), as [`KvCache::key_into`] and [`KvCache::value_into`] decode them one at a
     /// time; the positions of one block are read as one run of bytes.
-    pub fn run_into(&self, run: std::ops::Range<usize>, head: usize, k: &mut [f32], v: &mut [f32]) {
+    pub fn run_into(&self, run: Range<usize>, head: usize, k: &mut [f32], v: &mut [f32]) {
+        self.side_into(run.clone(), head, Side::Keys, k);
+        self.side_into(run, head, Side::Values, v);
+    }
+
+    /// Head `head` of positions `run`, values only, as [`KvCache::run_into`].
+    pub fn values_into(&self, run: Range<usize>, head: usize, v: &mut [f32]) {
+        self.side_into(run, head, Side::Values, v)
+    }
+
+    fn side_into(&self, run: Range<usize>, head: usize, side: Side, out: &mut [f32]) {
         debug_assert!(run.start >= self.first() && run.end <= self.len);
-        let Rows::Coded { codec, k: ks, v: vs, .. } = &self.rows else { panic!("KvCache::run_into on an f32 cache") };
+        let Rows::Coded { codec, k, v, .. } = &self.rows else { panic!("KvCache::run_into on an f32 cache") };
         let (hd, hb) = (codec.head_dim, codec.head_bytes);
-        let mut pos = run.start;
-        while pos < run.end {
-            let slot = self.slot(pos);
-            // As far as the run, the block or a ring's last slot go.
-            let n = (run.end - pos).min(BLOCK - slot % BLOCK).min(self.window.map_or(usize::MAX, |w| w - slot));
+        let bytes = match side {
+            Side::Keys => k,
+            Side::Values => v,
+        };
+        for (pos, slot, n) in self.block_runs(run.clone()) {
             let (at, o) = (codec.head_at(slot, head), (pos - run.start) * hd);
-            codec.decode_rows(&ks[at..at + n * hb], &mut k[o..o + n * hd]);
-            codec.decode_rows(&vs[at..at + n * hb], &mut v[o..o + n * hd]);
-            pos += n;
+            codec.decode_rows(&bytes[at..at + n * hb], &mut out[o..o + n * hd]);
+        }
+    }
+
+    /// Positions `run` cut where a block or a ring's last slot ends, as `(position, its
+    /// slot, positions)`: each piece's rows of one head are one run of bytes.
+    fn block_runs(&self, run: Range<usize>) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        let mut pos = run.start;
+        std::iter::from_fn(move || {
+            (pos < run.end).then(|| {
+                let slot = self.slot(pos);
+                let n = (run.end - pos).min(BLOCK - slot % BLOCK).min(self.window.map_or(usize::MAX, |w| w - slot));
+                pos += n;
+                (pos - n, slot, n)
+            })
+        })
+    }
+
+    /// Whether [`KvCache::key_scores`] reads this cache: TurboQuant on AVX-512.
+    pub fn scores_from_codes(&self) -> bool {
+        let turbo = matches!(&self.rows, Rows::Coded { codec, .. } if codec.rotates());
+        turbo && cfg!(target_arch = "x86_64") && crate::isa() == crate::Isa::Avx512
+    }
+
+    /// Every query's score against head `head`'s keys at positions `run`, read straight
+    /// from their codes: `out[t * q.width() + i]` for position `run.start + t`, the bits
+    /// [`crate::tile::scores`] gives on the keys [`KvCache::run_into`] decodes (the padding
+    /// queries score zero). `scratch` holds at least `32 * head_dim` floats. Only where
+    /// [`KvCache::scores_from_codes`] says so.
+    pub fn key_scores(&self, run: Range<usize>, head: usize, q: &Lanes, out: &mut [f32], scratch: &mut [f32]) {
+        assert!(self.scores_from_codes(), "KvCache::key_scores on a cache it cannot read");
+        let Rows::Coded { codec, k, .. } = &self.rows else { unreachable!() };
+        let (hb, width) = (codec.head_bytes, q.width());
+        assert!(
+            q.head_dim() == codec.head_dim,
+            "key_scores: queries of {} for heads of {}",
+            q.head_dim(),
+            codec.head_dim
+        );
+        let split = BlockSplit::new(&codec.books, codec.block);
+        for (pos, slot, n) in self.block_runs(run.clone()) {
+            let (at, o) = (codec.head_at(slot, head), (pos - run.start) * width);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `scores_from_codes` checked the ISA.
+            unsafe {
+                x86::key_scores_avx512(
+                    [&codec.books[0].table, &codec.books[1].table],
+                    (split, hb),
+                    (&k[at..at + n * hb], n),
+                    q,
+                    &mut out[o..o + n * width],
+                    scratch,
+                )
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (at, o, n, split, hb, k, out.len(), scratch.len());
         }
     }
 
@@ -864,6 +937,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{BlockSplit, Table, group};
+    use crate::tile::{LANES, Lanes};
 
     /// Where the codes of one width lie for a step of 32 (at most sixteen bytes, loaded
     /// once and repeated in each 128-bit lane): per lane `j` of a register, the shuffle
@@ -906,10 +980,7 @@ mod x86 {
         /// A book's sixteen-entry table repeated every `2^bits` entries (see above).
         #[target_feature(enable = "avx512f")]
         fn repeat(&self, centroids: &[f32; 16]) -> __m512 {
-            let mask = _mm512_set1_epi32((1 << self.bits) - 1);
-            let index = _mm512_and_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), mask);
-            // SAFETY: sixteen floats.
-            _mm512_permutexvar_ps(index, unsafe { _mm512_loadu_ps(centroids.as_ptr()) })
+            repeated(self.bits, centroids)
         }
 
         /// `out.len()` codes (a multiple of 8) from `bytes` into the values of table `t`
@@ -958,6 +1029,162 @@ mod x86 {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// A book of `bits` codes' sixteen-entry table repeated every `2^bits` entries: a
+    /// lookup by the low four bits of a word whose code is its lowest `bits` finds the
+    /// code's centroid whatever lies above it.
+    #[target_feature(enable = "avx512f")]
+    fn repeated(bits: usize, centroids: &[f32; 16]) -> __m512 {
+        let mask = _mm512_set1_epi32((1 << bits) - 1);
+        let index = _mm512_and_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), mask);
+        // SAFETY: sixteen floats.
+        _mm512_permutexvar_ps(index, unsafe { _mm512_loadu_ps(centroids.as_ptr()) })
+    }
+
+    /// [`super::KvCache::key_scores`] over `rows` rows of one head (`head_bytes` apart from
+    /// the start of `bytes`), sixteen rows at a time. Their codes are gathered, a 32-bit
+    /// word of eight codes from each row, decoded to the values [`unpack_blocks_avx512`]
+    /// gives (a centroid times the block's norm, one rounding) and laid out channel by
+    /// channel with the rows side by side (`scratch`, `[head_dim][32]`); each query's
+    /// chain over the channels then runs for sixteen rows in one vector, its channel's
+    /// value broadcast. A decode step's six queries of a KV head took one 8-lane vector
+    /// each position in the general kernel, 128 multiply-adds a position of 128
+    /// channels; here they take 48 on 16 lanes, and the codes never go through memory.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub fn key_scores_avx512(
+        books: [&[f32; 16]; 2],
+        (split, head_bytes): (BlockSplit, usize),
+        (bytes, rows): (&[u8], usize),
+        q: &Lanes,
+        out: &mut [f32],
+        scratch: &mut [f32],
+    ) {
+        let (hd, block, width) = (q.head_dim(), split.block, q.width());
+        assert!(
+            bytes.len() >= rows * head_bytes
+                && head_bytes == hd / block * split.per_block
+                && split.bits.iter().all(|b| (2..=4).contains(b))
+                && scratch.len() >= ROWS * hd
+                && out.len() >= rows * width,
+            "key_scores: {rows} rows of {head_bytes} bytes in {}, scratch {}, out {}",
+            bytes.len(),
+            scratch.len(),
+            out.len()
+        );
+        let tables = [repeated(split.bits[0], books[0]), repeated(split.bits[1], books[1])];
+        let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let rows_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(head_bytes as i32));
+        for r0 in (0..rows).step_by(ROWS) {
+            let m = (rows - r0).min(ROWS);
+            // (a half past the rows is left as it was: its chains are not read)
+            for half in 0..m.div_ceil(16) {
+                let first = r0 + 16 * half;
+                let mask = ((1u32 << (m - 16 * half).min(16)) - 1) as __mmask16;
+                // SAFETY (every gather below): lane `l` of a mask reads the four bytes from
+                // `off` of row `first + l < rows`, and every `off` is at most
+                // `head_bytes - 4`: within `bytes` by the assertion. The other lanes read
+                // nothing.
+                let gather = |off: usize| unsafe {
+                    let base = bytes.as_ptr().wrapping_add(first * head_bytes + off) as *const i32;
+                    _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, rows_at, base)
+                };
+                for b in 0..hd / block {
+                    let at = b * split.per_block;
+                    // The block's f16 norm is the low half of the word at its start.
+                    let norm = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(gather(at)));
+                    for (h, table) in tables.iter().enumerate() {
+                        let bits = split.bits[h];
+                        let codes_at = at + 2 + h * split.first;
+                        for g in 0..block / 16 {
+                            // Eight codes in `bits` bytes: the word that ends where they
+                            // end (it begins at or after the norm), its top `8 bits` bits
+                            // theirs.
+                            let end = codes_at + (g + 1) * bits;
+                            let word = gather(end - 4);
+                            let d = b * block + h * block / 2 + 8 * g;
+                            let to = &mut scratch[ROWS * d + 16 * half..][..ROWS * 7 + 16];
+                            let table = (*table, norm);
+                            match bits {
+                                2 => spread::<2>(word, table, to),
+                                3 => spread::<3>(word, table, to),
+                                _ => spread::<4>(word, table, to),
+                            }
+                        }
+                    }
+                }
+            }
+            let out = &mut out[r0 * width..];
+            let n = q.queries();
+            for g in (0..n).step_by(LANES) {
+                match n - g {
+                    1 => chains::<1>(q, g, (scratch, m), out),
+                    2 => chains::<2>(q, g, (scratch, m), out),
+                    3 => chains::<3>(q, g, (scratch, m), out),
+                    4 => chains::<4>(q, g, (scratch, m), out),
+                    5 => chains::<5>(q, g, (scratch, m), out),
+                    6 => chains::<6>(q, g, (scratch, m), out),
+                    7 => chains::<7>(q, g, (scratch, m), out),
+                    _ => chains::<8>(q, g, (scratch, m), out),
+                }
+            }
+            for t in 0..m {
+                out[t * width + n..(t + 1) * width].fill(0.0);
+            }
+        }
+    }
+
+    /// The eight codes of `BITS` at the top of each lane's `word` to their values (the
+    /// `table`'s centroid times the lane's norm), code `j` to `to[ROWS j..][..16]`. (The
+    /// widths are constants so that each shift is one: a shift by a vector the compiler
+    /// cannot bound below 32 becomes a comparison and a masked shift.)
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn spread<const BITS: u32>(word: __m512i, (table, norm): (__m512, __m512), to: &mut [f32]) {
+        assert!(to.len() >= ROWS * 7 + 16);
+        for j in 0..8 {
+            let code = _mm512_srlv_epi32(word, _mm512_set1_epi32((32 - 8 * BITS + BITS * j) as i32));
+            let v = _mm512_mul_ps(_mm512_permutexvar_ps(code, table), norm);
+            // SAFETY: within `to` by the assertion.
+            unsafe { _mm512_storeu_ps(to.as_mut_ptr().add(ROWS * j as usize), v) };
+        }
+    }
+
+    /// Rows a step of [`key_scores_avx512`]: two vectors of chains per query, so that
+    /// a decode step's six queries keep twelve chains in flight (six, one a query, left
+    /// the multipliers waiting on each chain's previous step).
+    const ROWS: usize = 32;
+
+    /// Queries `first..first + Q` (of one group) against the `m` rows of `keys`
+    /// (`[head_dim][ROWS]`), into `out[t * q.width() + first + i]`.
+    #[target_feature(enable = "avx512f")]
+    fn chains<const Q: usize>(q: &Lanes, first: usize, (keys, m): (&[f32], usize), out: &mut [f32]) {
+        let (hd, width) = (q.head_dim(), q.width());
+        let group = q.group(first / LANES);
+        assert!(keys.len() >= ROWS * hd && group.len() == hd && out.len() >= (m - 1) * width + first + Q);
+        let mut acc = [[_mm512_setzero_ps(); 2]; Q];
+        for (d, qd) in group.iter().enumerate() {
+            // SAFETY: `ROWS (d + 1) <= keys.len()` by the assertion.
+            let k = unsafe { [0, 16].map(|h| _mm512_loadu_ps(keys.as_ptr().add(ROWS * d + h))) };
+            for (a, &x) in acc.iter_mut().zip(qd) {
+                let x = _mm512_set1_ps(x);
+                a[0] = _mm512_fmadd_ps(k[0], x, a[0]);
+                a[1] = _mm512_fmadd_ps(k[1], x, a[1]);
+            }
+        }
+        let mut rows = [[0f32; ROWS]; Q];
+        for (r, a) in rows.iter_mut().zip(acc) {
+            // SAFETY: thirty-two floats.
+            unsafe {
+                _mm512_storeu_ps(r.as_mut_ptr(), a[0]);
+                _mm512_storeu_ps(r.as_mut_ptr().add(16), a[1]);
+            }
+        }
+        for t in 0..m {
+            for (i, r) in rows.iter().enumerate() {
+                out[t * width + first + i] = r[t];
             }
         }
     }

@@ -23,6 +23,7 @@ pub const LANES: usize = 8;
 pub struct Lanes {
     data: Vec<[f32; LANES]>,
     head_dim: usize,
+    queries: usize,
 }
 
 impl Lanes {
@@ -36,7 +37,16 @@ impl Lanes {
                 group[d][i % LANES] = x;
             }
         }
-        Lanes { data, head_dim }
+        Lanes { data, head_dim, queries }
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// The queries given, before padding.
+    pub fn queries(&self) -> usize {
+        self.queries
     }
 
     /// Queries rounded up to whole groups: the row length of [`scores`]' output.
@@ -44,7 +54,8 @@ impl Lanes {
         self.data.len() / self.head_dim * LANES
     }
 
-    fn group(&self, g: usize) -> &[[f32; LANES]] {
+    /// Group `g`'s queries, `[head_dim][LANES]`.
+    pub(crate) fn group(&self, g: usize) -> &[[f32; LANES]] {
         &self.data[g * self.head_dim..][..self.head_dim]
     }
 }

@@ -542,3 +542,65 @@ fn attention_tiles_keep_their_chains() {
     }
     select(best());
 }
+
+/// Scores read straight from a TurboQuant cache's codes (AVX-512) are the bits of the
+/// general kernel on the keys the cache decodes, on every ISA: every width, heads of one
+/// and of several rotation blocks, runs that start and end inside blocks, a ring's wrap,
+/// query counts that fill no vector and more than one.
+#[test]
+fn key_scores_from_codes_keep_their_chains() {
+    use sluice_core::{KvFormat, KvLayout, TurboBits};
+    use sluice_cpu::tile::{Lanes, scores};
+    let _g = ISA_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    select(best());
+    let mut rng = Rng(11);
+    let mut checked = 0;
+    for bits in [TurboBits::Two, TurboBits::Three, TurboBits::ThreeHalf, TurboBits::Four] {
+        for (hd, window) in [(64, None), (128, None), (256, None), (576, None), (128, Some(40))] {
+            let layout = KvLayout { seed: 3, window, ..KvLayout::plain(2 * hd, hd, KvFormat::Turbo(bits)) };
+            let mut cache = sluice_cpu::KvCache::with_layout(&layout).unwrap();
+            let len = 75;
+            let rows = random_input(len, 2 * hd, &mut rng);
+            cache.append(&rows, &rows);
+            if !cache.scores_from_codes() {
+                eprintln!("key_scores_from_codes_keep_their_chains: this CPU has no AVX-512; nothing to compare");
+                return;
+            }
+            for queries in [1, 6, 8, 13, 19] {
+                let q = random_input(queries, hd, &mut rng);
+                let lanes = Lanes::new(&q, hd);
+                let width = lanes.width();
+                for run in [cache.first()..len, cache.first() + 3..cache.first() + 4, len - 20..len - 1] {
+                    let n = run.len();
+                    let (mut k, mut v) = (vec![0f32; n * hd], vec![0f32; n * hd]);
+                    cache.run_into(run.clone(), 1, &mut k, &mut v);
+                    let mut want = vec![f32::NAN; n * width];
+                    select(best());
+                    let mut got = vec![f32::NAN; n * width];
+                    let mut scratch = vec![0f32; 32 * hd];
+                    cache.key_scores(run.clone(), 1, &lanes, &mut got, &mut scratch);
+                    for v in variants() {
+                        select(v);
+                        scores(&lanes, &k, 0..n, &mut want);
+                        for t in 0..n {
+                            let what =
+                                format!("{v:?} {bits:?} head {hd} {window:?}, {queries} queries, {run:?} row {t}");
+                            assert_bitwise(
+                                &what,
+                                &got[t * width..t * width + queries],
+                                &want[t * width..t * width + queries],
+                            );
+                            assert!(
+                                got[t * width + queries..(t + 1) * width].iter().all(|&x| x == 0.0),
+                                "{what}: padding"
+                            );
+                        }
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    select(best());
+    assert_eq!(checked, 4 * 5 * 5 * 3);
+}
