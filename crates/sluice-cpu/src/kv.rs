@@ -1045,14 +1045,16 @@ mod x86 {
     }
 
     /// [`super::KvCache::key_scores`] over `rows` rows of one head (`head_bytes` apart from
-    /// the start of `bytes`), sixteen rows at a time. Their codes are gathered, a 32-bit
-    /// word of eight codes from each row, decoded to the values [`unpack_blocks_avx512`]
-    /// gives (a centroid times the block's norm, one rounding) and laid out channel by
-    /// channel with the rows side by side (`scratch`, `[head_dim][32]`); each query's
-    /// chain over the channels then runs for sixteen rows in one vector, its channel's
-    /// value broadcast. A decode step's six queries of a KV head took one 8-lane vector
-    /// each position in the general kernel, 128 multiply-adds a position of 128
-    /// channels; here they take 48 on 16 lanes, and the codes never go through memory.
+    /// the start of `bytes`), [`ROWS`] at a time. Their codes are gathered sixteen rows a
+    /// vector, a 32-bit word of eight codes from each row, decoded to the values
+    /// [`unpack_blocks_avx512`] gives (a centroid times the block's norm, one rounding) and
+    /// laid out channel by channel with the rows side by side (`scratch`,
+    /// `[head_dim][ROWS]`); each query's chain over the channels then runs for the rows in
+    /// two vectors, its channel's value broadcast. A decode step's six queries of a KV head
+    /// took one 8-lane vector a position in the general kernel, 128 multiply-adds a
+    /// position of 128 channels; here they take 48 on 16 lanes. (Decode's attention at
+    /// 8192 positions, 28 layers: 24 ms a step at 4 bits before, 20 after; the gathers cost
+    /// nothing measurable against plain loads.)
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub fn key_scores_avx512(
         books: [&[f32; 16]; 2],
