@@ -403,49 +403,47 @@ impl Job<'_> {
         (k, v): (&mut [f32], &mut [f32]),
         sc: &mut [f32],
     ) {
-        let s = &self.seqs[seq];
-        let (cache, start) = (s.cache, s.cache.len());
-        if !cache.scores_from_codes() {
+        if !self.seqs[seq].cache.scores_from_codes() {
             self.gather_run(seq, kvh, run.clone(), k, v);
             return tile::scores(lanes, k, codes.start - run.start..codes.end - run.start, sc);
         }
         let (hd, width) = (self.p.head_dim, lanes.width());
-        // The positions before the chunk from the cache, the chunk's own from its codes.
-        let parts = |r: std::ops::Range<usize>| {
-            let mid = r.end.min(start).max(r.start);
-            [(cache, r.start..mid, 0), (&self.coded[seq], mid..r.end, start)]
-        };
-        for (c, part, shift) in parts(run.clone()) {
-            if !part.is_empty() {
-                c.values_into(part.start - shift..part.end - shift, kvh, &mut v[(part.start - run.start) * hd..]);
+        for (c, rows, at) in self.run_parts(seq, run.clone()) {
+            if !rows.is_empty() {
+                c.values_into(rows, kvh, &mut v[at * hd..]);
             }
         }
-        for (c, part, shift) in parts(codes) {
-            if !part.is_empty() {
-                let out = &mut sc[(part.start - run.start) * width..];
-                c.key_scores(part.start - shift..part.end - shift, kvh, lanes, out, k);
+        for (c, rows, at) in self.run_parts(seq, codes.clone()) {
+            if !rows.is_empty() {
+                let out = &mut sc[(codes.start + at - run.start) * width..];
+                c.key_scores(rows, kvh, lanes, out, k);
             }
         }
+    }
+
+    /// The positions `run` of sequence `seq` split where its chunk begins: those already
+    /// in its cache, then the chunk's own codes; each part as (the cache holding it, its
+    /// rows there, its offset in `run`).
+    fn run_parts(&self, seq: usize, run: std::ops::Range<usize>) -> [(&KvCache, std::ops::Range<usize>, usize); 2] {
+        let cache = self.seqs[seq].cache;
+        let start = cache.len();
+        let mid = run.end.min(start).max(run.start);
+        let own = mid.max(start) - start..run.end.max(start) - start;
+        [(cache, run.start..mid, 0), (&self.coded[seq], own, mid - run.start)]
     }
 
     /// As [`Job::gather`] for the positions `run`, which a coded cache reads a block at
     /// a time.
     fn gather_run(&self, seq: usize, kvh: usize, run: std::ops::Range<usize>, k: &mut [f32], v: &mut [f32]) {
-        let s = &self.seqs[seq];
-        let (cache, start) = (s.cache, s.cache.len());
-        if cache.codec().is_none() {
+        if self.seqs[seq].cache.codec().is_none() {
             return self.gather(seq, kvh, run, k, v);
         }
         let hd = self.p.head_dim;
-        // The positions before the chunk from the cache, the chunk's own from its codes.
-        let mid = run.end.min(start).max(run.start);
-        let (k, v) = (&mut k[..run.len() * hd], &mut v[..run.len() * hd]);
-        let ((k0, k1), (v0, v1)) = (k.split_at_mut((mid - run.start) * hd), v.split_at_mut((mid - run.start) * hd));
-        if run.start < mid {
-            cache.run_into(run.start..mid, kvh, k0, v0);
-        }
-        if mid < run.end {
-            self.coded[seq].run_into(mid - start..run.end - start, kvh, k1, v1);
+        for (c, rows, at) in self.run_parts(seq, run) {
+            if !rows.is_empty() {
+                let span = at * hd..(at + rows.len()) * hd;
+                c.run_into(rows, kvh, &mut k[span.clone()], &mut v[span]);
+            }
         }
     }
 

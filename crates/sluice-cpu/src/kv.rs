@@ -977,12 +977,6 @@ mod x86 {
             }
         }
 
-        /// A book's sixteen-entry table repeated every `2^bits` entries (see above).
-        #[target_feature(enable = "avx512f")]
-        fn repeat(&self, centroids: &[f32; 16]) -> __m512 {
-            repeated(self.bits, centroids)
-        }
-
         /// `out.len()` codes (a multiple of 8) from `bytes` into the values of table `t`
         /// (already scaled by the block's norm): thirty-two a step, the step's bytes read
         /// by one masked load (never past the codes).
@@ -1195,7 +1189,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub fn unpack_avx512(table: Table<'_>, bits: usize, bytes: &[u8], out: &mut [f32]) {
         let layout = Layout::new(bits);
-        let t = _mm512_mul_ps(layout.repeat(table.centroids), _mm512_set1_ps(table.norm));
+        let t = _mm512_mul_ps(repeated(layout.bits, table.centroids), _mm512_set1_ps(table.norm));
         layout.decode(t, bytes, out);
     }
 
@@ -1204,7 +1198,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub fn unpack_blocks_avx512(books: [&[f32; 16]; 2], split: BlockSplit, bytes: &[u8], out: &mut [f32]) {
         let layouts = split.bits.map(|bits| Layout::new(bits));
-        let tables = [layouts[0].repeat(books[0]), layouts[1].repeat(books[1])];
+        let tables = [repeated(layouts[0].bits, books[0]), repeated(layouts[1].bits, books[1])];
         let block = split.block;
         for (o, c) in out.chunks_exact_mut(block).zip(bytes.chunks_exact(split.per_block)) {
             // (the F16C conversion: `half`'s own, outside a function compiled for F16C,
