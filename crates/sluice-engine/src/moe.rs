@@ -81,7 +81,6 @@ impl<B: Backend> Moe<B> {
     /// the experts take `h`. The experts are fetched once for the union of the
     /// batch's choices.
     pub fn forward(&self, cx: &mut Cx<'_, B>, x: &B::Act, h: &B::Act) -> Result<B::Act> {
-        cx.probe_next(self.layer, x)?;
         let routing = self.route(cx, x)?;
         if cx.pilot.is_some() {
             let chosen = unique(&cx.be.routing_ids(&routing)?);
@@ -89,17 +88,43 @@ impl<B: Backend> Moe<B> {
         }
         let (be, store, layer) = (cx.be, cx.store, self.layer);
         let t = Instant::now();
-        let out = be.fetch_routed(store, layer, &routing).and_then(|f| {
-            let fetched = t.elapsed();
-            let out = be.moe(h, &routing, &f, &self.ffn);
-            // The products ran as the experts arrived: what they waited for is
-            // expert wait, the rest computation.
-            let waited = be.experts_waited(&f);
-            cx.timers.expert_wait += fetched + waited;
-            cx.timers.expert_compute += t.elapsed().saturating_sub(fetched + waited);
-            out
-        });
-        out.inspect_err(|_| cx.affected = self.affected_by_failure(cx, &routing))
+        let f = match be.fetch_routed(store, layer, &routing) {
+            Ok(f) => f,
+            Err(e) => {
+                cx.affected = self.affected_by_failure(cx, &routing);
+                return Err(e);
+            }
+        };
+        let fetched = t.elapsed();
+        // The next layer's read-ahead starts once this layer's own reads have. When
+        // this layer needs more experts than its cache holds (a prompt chunk), the
+        // rest are read as the products give slots back and keep the disk busy until
+        // the products end; the read-ahead then waits for them, and reads while the
+        // next layer's attention computes instead of taking the disk from them.
+        let after = be.experts_queued(&f);
+        if !after {
+            cx.probe_next(layer, x)?;
+        }
+        let t = Instant::now();
+        let out = be.moe(h, &routing, &f, &self.ffn);
+        // The products ran as the experts arrived: what they waited for is expert
+        // wait, the rest computation.
+        let waited = be.experts_waited(&f);
+        cx.timers.expert_wait += fetched + waited;
+        cx.timers.expert_compute += t.elapsed().saturating_sub(waited);
+        drop(f);
+        match out {
+            Ok(out) => {
+                if after {
+                    cx.probe_next(layer, x)?;
+                }
+                Ok(out)
+            }
+            Err(e) => {
+                cx.affected = self.affected_by_failure(cx, &routing);
+                Err(e)
+            }
+        }
     }
 
     /// After the experts failed: the sequences whose own experts cannot be fetched

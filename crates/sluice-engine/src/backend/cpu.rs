@@ -404,6 +404,10 @@ impl Backend for Cpu {
         experts.wait_all()
     }
 
+    fn experts_queued(&self, experts: &ExpertLease<'_>) -> bool {
+        experts.has_queued()
+    }
+
     fn experts_waited(&self, experts: &ExpertLease<'_>) -> std::time::Duration {
         experts.waited()
     }
@@ -426,21 +430,26 @@ impl Backend for Cpu {
             slots_of[e].push(s);
         }
         let mut per_slot: Vec<Option<Vec<f32>>> = vec![None; routing.ids.len()];
-        let order = experts.order();
-        let mut next = 0;
-        while next < order.len() {
-            // The next expert (waiting for its read if it has not ended) and every
-            // later one already in memory, as one grouped product; the store reads
-            // the others meanwhile. While misses wait for the slots of the experts
-            // taken, one at a time, so each slot goes back as soon as it is used.
-            let mut taken = Vec::new();
-            loop {
-                taken.push((order[next], experts.take(order[next])?));
-                next += 1;
-                if next == order.len() || !experts.is_ready(order[next]) || experts.has_queued() {
-                    break;
-                }
-            }
+        let rows = |e: usize| slots_of.get(e).map_or(0, Vec::len);
+        // The experts not taken yet, in the lease's order: those in memory, then the
+        // reads in the order they were started.
+        let mut pending = experts.order();
+        while !pending.is_empty() {
+            let (ready, waiting): (Vec<usize>, Vec<usize>) = pending.iter().partition(|&&e| experts.is_ready(e));
+            let take: Vec<usize> = if experts.has_queued() {
+                // Misses wait for the slots of the experts taken, so one at a time: the
+                // lightest in memory, whose slot comes back soonest to keep the disk
+                // busy; when none is in memory, the first whose read ends.
+                vec![ready.into_iter().min_by_key(|&e| rows(e)).unwrap_or(waiting[0])]
+            } else if ready.is_empty() {
+                vec![waiting[0]]
+            } else {
+                // Every expert in memory as one grouped product; the store reads the
+                // others meanwhile.
+                ready
+            };
+            pending.retain(|e| !take.contains(e));
+            let taken = take.into_iter().map(|e| Ok((e, experts.take(e)?))).collect::<Result<Vec<_>>>()?;
             let mut parts = Vec::new();
             for (e, t) in &taken {
                 let slots = slots_of.get(*e).map_or(&[][..], Vec::as_slice);

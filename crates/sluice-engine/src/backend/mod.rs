@@ -245,6 +245,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     }
     /// Blocks until every one of `experts` is available, or one cannot be.
     fn experts_ready(&self, experts: &Self::Experts<'_>) -> Result<()>;
+    /// Whether some of `experts` wait for a slot of their layer's cache (a prompt chunk
+    /// that needs more experts than the cache holds): their reads start as
+    /// [`Backend::moe`] gives slots back.
+    fn experts_queued(&self, _experts: &Self::Experts<'_>) -> bool {
+        false
+    }
     /// How long [`Backend::moe`] waited for `experts` to arrive.
     fn experts_waited(&self, experts: &Self::Experts<'_>) -> std::time::Duration;
     /// The routed experts: `sum_k weight[r, k] * expert_k(x[r])` for every row.
