@@ -19,6 +19,7 @@ mod layout;
 mod pool;
 mod stats;
 mod stream;
+mod trace;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +38,7 @@ pub use crate::histogram::RoutingHistogram;
 pub use crate::io::ALIGN;
 pub use crate::layout::{CacheBudget, ExpertLayout, LayerExperts, human_bytes};
 pub use crate::stats::{DirectIoStats, LayerStats, PrefetchStats, StoreStats};
+pub use crate::trace::trace;
 
 pub use sluice_core::MatRef;
 

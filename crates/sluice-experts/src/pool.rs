@@ -19,6 +19,7 @@ use sluice_core::Error;
 use crate::cache::LayerCache;
 use crate::io::{AlignedBuf, DirectStatus, FileHandle};
 use crate::layout::ExpertPlan;
+use crate::trace::trace;
 
 /// Counters the workers keep.
 #[derive(Default)]
@@ -149,6 +150,7 @@ impl Load {
             None => Ok(()),
             Some(e) => Err(e),
         };
+        trace(format_args!("read L{} E{}", self.layer, self.expert));
         if let Target::Slot { cache, slot } = &self.target {
             cache.finish_load(*slot, self, outcome.is_ok());
         }
@@ -187,6 +189,7 @@ pub(crate) struct Job {
 impl Job {
     fn run(self, io: &IoCounters, direct: &DirectStatus) {
         let load = &self.load;
+        trace(format_args!("chunk L{} E{} spec={}", load.layer, load.expert, load.speculative.load(Ordering::Relaxed)));
         // Once a chunk of the load failed the rest are not read, so waiters hear
         // of the failure as soon as the chunks in progress end.
         if !load.failed.load(Ordering::Acquire) {

@@ -21,6 +21,7 @@ use crate::cache::{Claim, LayerCache};
 use crate::io::AlignedBuf;
 use crate::layout::LayerExperts;
 use crate::pool::{Load, LoadReq, Target};
+use crate::trace::trace;
 use crate::{ExpertStore, Src, Streamed};
 
 /// Where one expert of the lease is.
@@ -118,7 +119,9 @@ impl<'a> Stream<'a> {
         };
         if let Some(load) = load {
             let t = Instant::now();
+            trace(format_args!("take L{} E{} wait={}", self.parts.layer, self.ids[i], !load.is_done()));
             let r = load.wait();
+            trace(format_args!("took L{} E{}", self.parts.layer, self.ids[i]));
             let ns = t.elapsed().as_nanos() as u64;
             self.waited_ns.fetch_add(ns, Ordering::Relaxed);
             self.parts.store.layer_wait_ns[self.parts.layer].fetch_add(ns, Ordering::Relaxed);
@@ -129,6 +132,7 @@ impl<'a> Stream<'a> {
 
     /// Gives item `i` back: its slot goes to the next queued miss.
     pub fn release(&self, i: usize) {
+        trace(format_args!("release L{} E{}", self.parts.layer, self.ids[i]));
         let mut st = self.state.lock().unwrap();
         if let Item::Slot { slot, .. } = st.items[i] {
             self.parts.cache.unpin(&[slot]);
