@@ -87,7 +87,7 @@ impl<B: Backend> Moe<B> {
             cx.observe(self.layer, &chosen);
         }
         let (be, store, layer) = (cx.be, cx.store, self.layer);
-        sluice_experts::trace(format_args!("fetch L{layer}"));
+        sluice_experts::trace(|| format!("fetch L{layer}"));
         let t = Instant::now();
         let f = match be.fetch_routed(store, layer, &routing) {
             Ok(f) => f,

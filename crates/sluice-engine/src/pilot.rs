@@ -62,7 +62,7 @@ impl<B: Backend> Cx<'_, B> {
         let mut ids = unique(&picks);
         let count = |e: usize| picks.iter().filter(|&&p| p as usize == e).count();
         ids.sort_by_cached_key(|&e| std::cmp::Reverse(count(e)));
-        sluice_experts::trace(format_args!("probe L{} n={}", layer + 1, ids.len()));
+        sluice_experts::trace(|| format!("probe L{} n={}", layer + 1, ids.len()));
         self.store.prefetch(layer + 1, &ids);
         if let Some(p) = self.pilot.as_mut() {
             p.stats.probes += 1;

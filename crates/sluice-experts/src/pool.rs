@@ -150,7 +150,7 @@ impl Load {
             None => Ok(()),
             Some(e) => Err(e),
         };
-        trace(format_args!("read L{} E{}", self.layer, self.expert));
+        trace(|| format!("read L{} E{}", self.layer, self.expert));
         if let Target::Slot { cache, slot } = &self.target {
             cache.finish_load(*slot, self, outcome.is_ok());
         }
@@ -189,7 +189,7 @@ pub(crate) struct Job {
 impl Job {
     fn run(self, io: &IoCounters, direct: &DirectStatus) {
         let load = &self.load;
-        trace(format_args!("chunk L{} E{} spec={}", load.layer, load.expert, load.speculative.load(Ordering::Relaxed)));
+        trace(|| format!("chunk L{} E{} spec={}", load.layer, load.expert, load.speculative.load(Ordering::Relaxed)));
         // Once a chunk of the load failed the rest are not read, so waiters hear
         // of the failure as soon as the chunks in progress end.
         if !load.failed.load(Ordering::Acquire) {

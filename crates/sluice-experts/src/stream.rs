@@ -119,9 +119,9 @@ impl<'a> Stream<'a> {
         };
         if let Some(load) = load {
             let t = Instant::now();
-            trace(format_args!("take L{} E{} wait={}", self.parts.layer, self.ids[i], !load.is_done()));
+            trace(|| format!("take L{} E{} wait={}", self.parts.layer, self.ids[i], !load.is_done()));
             let r = load.wait();
-            trace(format_args!("took L{} E{}", self.parts.layer, self.ids[i]));
+            trace(|| format!("took L{} E{}", self.parts.layer, self.ids[i]));
             let ns = t.elapsed().as_nanos() as u64;
             self.waited_ns.fetch_add(ns, Ordering::Relaxed);
             self.parts.store.layer_wait_ns[self.parts.layer].fetch_add(ns, Ordering::Relaxed);
@@ -132,7 +132,7 @@ impl<'a> Stream<'a> {
 
     /// Gives item `i` back: its slot goes to the next queued miss.
     pub fn release(&self, i: usize) {
-        trace(format_args!("release L{} E{}", self.parts.layer, self.ids[i]));
+        trace(|| format!("release L{} E{}", self.parts.layer, self.ids[i]));
         let mut st = self.state.lock().unwrap();
         if let Item::Slot { slot, .. } = st.items[i] {
             self.parts.cache.unpin(&[slot]);

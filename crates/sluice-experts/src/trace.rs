@@ -5,16 +5,16 @@
 //! if its read had not ended) and its end, each expert given back. `scripts/store_trace.py`
 //! sums them per layer. Off, an event costs one load of a flag.
 
-use std::fmt::Arguments;
 use std::sync::OnceLock;
 use std::time::Instant;
 
 /// The start of the trace, if `SLUICE_STORE_TRACE` is set.
 static START: OnceLock<Option<Instant>> = OnceLock::new();
 
-/// Writes `event` as a trace line when tracing is on.
-pub fn trace(event: Arguments<'_>) {
+/// Writes the line `event` makes when tracing is on; off, `event` is not called, so
+/// what it looks at (a load's state behind a mutex) costs nothing.
+pub fn trace(event: impl FnOnce() -> String) {
     if let Some(t0) = START.get_or_init(|| std::env::var_os("SLUICE_STORE_TRACE").map(|_| Instant::now())) {
-        eprintln!("store-trace {:.3} {event}", t0.elapsed().as_secs_f64() * 1e3);
+        eprintln!("store-trace {:.3} {}", t0.elapsed().as_secs_f64() * 1e3, event());
     }
 }
