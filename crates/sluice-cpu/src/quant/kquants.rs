@@ -16,7 +16,7 @@
 
 use super::act::Tok;
 use super::kernel::{Chunk, Kernel, dot4};
-use super::lanes::Lanes;
+use super::lanes::{Lanes, word};
 use super::seg::Seg;
 
 const LOW4: u32 = 0x0F0F_0F0F;
@@ -101,6 +101,11 @@ pub(crate) struct AccK<S: Lanes> {
     f: S::F,
     lo: S::I,
     hi: S::I,
+    /// With 16-bit activations, the high bytes' sums, kept apart from the low bytes'
+    /// (`lo`, `hi`) until the pair is folded: one shift per sub-block instead of one
+    /// per chunk.
+    lo_h: S::I,
+    hi_h: S::I,
 }
 
 #[inline(always)]
@@ -115,17 +120,34 @@ unsafe fn step_k<S: Lanes, const TWO: bool, const MAX: u32>(
     unsafe {
         let (p, hh) = (c / 2, c % 2);
         let e = 256 * u + 64 * p + 16 * hh;
-        let AccK { mut f, mut lo, mut hi } = acc;
+        let AccK { mut f, mut lo, mut hi, mut lo_h, mut hi_h } = acc;
         if hh == 0 {
             lo = S::splat(0);
             hi = S::splat(0);
+            lo_h = S::splat(0);
+            hi_h = S::splat(0);
         }
-        lo = dot4::<S, TWO, MAX>(lo, [w[0], w[1], w[2], w[3]], a, e);
-        hi = dot4::<S, TWO, MAX>(hi, [w[4], w[5], w[6], w[7]], a, e + 32);
+        let (wl, wh) = ([w[0], w[1], w[2], w[3]], [w[4], w[5], w[6], w[7]]);
+        if TWO {
+            // (w·hi << 8) + w·lo summed over both chunks, exactly as `dot4` joins
+            // each chunk's (the shift distributes over the wrapping sums).
+            let words = |p: *const i8, e: usize| std::array::from_fn(|k| word(p.add(e + 4 * k)));
+            lo_h = S::dpbusd4::<MAX>(lo_h, wl, words(a.xq, e));
+            lo = S::dpbusd4::<MAX>(lo, wl, words(a.lo, e));
+            hi_h = S::dpbusd4::<MAX>(hi_h, wh, words(a.xq, e + 32));
+            hi = S::dpbusd4::<MAX>(hi, wh, words(a.lo, e + 32));
+            if hh == 1 {
+                lo = S::add(S::slli::<8>(lo_h), lo);
+                hi = S::add(S::slli::<8>(hi_h), hi);
+            }
+        } else {
+            lo = dot4::<S, TWO, MAX>(lo, wl, a, e);
+            hi = dot4::<S, TWO, MAX>(hi, wh, a, e + 32);
+        }
         if hh == 1 {
             f = fold_k(h, a, u, p, lo, hi, f);
         }
-        AccK { f, lo, hi }
+        AccK { f, lo, hi, lo_h, hi_h }
     }
 }
 
@@ -178,7 +200,7 @@ impl<S: Lanes> Kernel<S> for Q4K {
     }
     #[inline(always)]
     unsafe fn start(_: &HeadK<S>, _: &Tok, _: usize, f: S::F) -> AccK<S> {
-        unsafe { AccK { f, lo: S::splat(0), hi: S::splat(0) } }
+        unsafe { AccK { f, lo: S::splat(0), hi: S::splat(0), lo_h: S::splat(0), hi_h: S::splat(0) } }
     }
     #[inline(always)]
     unsafe fn step<const TWO: bool>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
@@ -211,7 +233,7 @@ impl<S: Lanes> Kernel<S> for Q5K {
     }
     #[inline(always)]
     unsafe fn start(_: &HeadK<S>, _: &Tok, _: usize, f: S::F) -> AccK<S> {
-        unsafe { AccK { f, lo: S::splat(0), hi: S::splat(0) } }
+        unsafe { AccK { f, lo: S::splat(0), hi: S::splat(0), lo_h: S::splat(0), hi_h: S::splat(0) } }
     }
     #[inline(always)]
     unsafe fn step<const TWO: bool>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
