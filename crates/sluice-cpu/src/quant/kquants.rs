@@ -108,6 +108,14 @@ pub(crate) struct AccK<S: Lanes> {
     hi_h: S::I,
 }
 
+impl<S: Lanes> AccK<S> {
+    /// The state at the start of a super-block, given the running result.
+    #[inline(always)]
+    unsafe fn start(f: S::F) -> AccK<S> {
+        unsafe { AccK { f, lo: S::splat(0), hi: S::splat(0), lo_h: S::splat(0), hi_h: S::splat(0) } }
+    }
+}
+
 #[inline(always)]
 unsafe fn step_k<S: Lanes, const TWO: bool, const MAX: u32>(
     w: &Chunk<S>,
@@ -141,8 +149,8 @@ unsafe fn step_k<S: Lanes, const TWO: bool, const MAX: u32>(
                 hi = S::add(S::slli::<8>(hi_h), hi);
             }
         } else {
-            lo = dot4::<S, TWO, MAX>(lo, wl, a, e);
-            hi = dot4::<S, TWO, MAX>(hi, wh, a, e + 32);
+            lo = dot4::<S, false, MAX>(lo, wl, a, e);
+            hi = dot4::<S, false, MAX>(hi, wh, a, e + 32);
         }
         if hh == 1 {
             f = fold_k(h, a, u, p, lo, hi, f);
@@ -200,7 +208,7 @@ impl<S: Lanes> Kernel<S> for Q4K {
     }
     #[inline(always)]
     unsafe fn start(_: &HeadK<S>, _: &Tok, _: usize, f: S::F) -> AccK<S> {
-        unsafe { AccK { f, lo: S::splat(0), hi: S::splat(0), lo_h: S::splat(0), hi_h: S::splat(0) } }
+        unsafe { AccK::start(f) }
     }
     #[inline(always)]
     unsafe fn step<const TWO: bool>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
@@ -233,7 +241,7 @@ impl<S: Lanes> Kernel<S> for Q5K {
     }
     #[inline(always)]
     unsafe fn start(_: &HeadK<S>, _: &Tok, _: usize, f: S::F) -> AccK<S> {
-        unsafe { AccK { f, lo: S::splat(0), hi: S::splat(0), lo_h: S::splat(0), hi_h: S::splat(0) } }
+        unsafe { AccK::start(f) }
     }
     #[inline(always)]
     unsafe fn step<const TWO: bool>(w: &Chunk<S>, h: &HeadK<S>, a: &Tok, u: usize, c: usize, acc: AccK<S>) -> AccK<S> {
