@@ -86,14 +86,19 @@ pub(crate) unsafe fn dot4<S: Lanes, const TWO: bool, const MAX: u32>(
     e: usize,
 ) -> S::I {
     unsafe {
-        let words = |p: *const i8| std::array::from_fn(|k| word(p.add(e + 4 * k)));
         if TWO {
-            let t = S::dpbusd4::<MAX>(S::splat(0), w, words(a.xq));
-            S::dpbusd4::<MAX>(S::add(acc, S::slli::<8>(t)), w, words(a.lo))
+            let t = S::dpbusd4::<MAX>(S::splat(0), w, words(a.xq, e));
+            S::dpbusd4::<MAX>(S::add(acc, S::slli::<8>(t)), w, words(a.lo, e))
         } else {
-            S::dpbusd4::<MAX>(acc, w, words(a.xq))
+            S::dpbusd4::<MAX>(acc, w, words(a.xq, e))
         }
     }
+}
+
+/// Activation bytes `e..e + 16` at `p` as four words, word `k` from `e + 4k`.
+#[inline(always)]
+pub(crate) unsafe fn words(p: *const i8, e: usize) -> [u32; 4] {
+    unsafe { std::array::from_fn(|k| word(p.add(e + 4 * k))) }
 }
 
 /// How far past the window being transposed each row is prefetched (on Zen 5, 256

@@ -15,8 +15,8 @@
 //! and `xsum` the sum of those activation codes (precomputed, `act.rs`).
 
 use super::act::Tok;
-use super::kernel::{Chunk, Kernel, dot4};
-use super::lanes::{Lanes, word};
+use super::kernel::{Chunk, Kernel, dot4, words};
+use super::lanes::Lanes;
 use super::seg::Seg;
 
 const LOW4: u32 = 0x0F0F_0F0F;
@@ -139,7 +139,6 @@ unsafe fn step_k<S: Lanes, const TWO: bool, const MAX: u32>(
         if TWO {
             // (w·hi << 8) + w·lo summed over both chunks, exactly as `dot4` joins
             // each chunk's (the shift distributes over the wrapping sums).
-            let words = |p: *const i8, e: usize| std::array::from_fn(|k| word(p.add(e + 4 * k)));
             lo_h = S::dpbusd4::<MAX>(lo_h, wl, words(a.xq, e));
             lo = S::dpbusd4::<MAX>(lo, wl, words(a.lo, e));
             hi_h = S::dpbusd4::<MAX>(hi_h, wh, words(a.xq, e + 32));
