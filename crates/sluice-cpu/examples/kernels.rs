@@ -20,6 +20,13 @@
 //! Qwen2.5-1.5B: 896 x 1536 Q4_K and Q6_K): microseconds per decode call, and the
 //! per-call overhead, measured on a 16 x 32 matrix whose arithmetic is negligible.
 //!
+//! Last, the matmuls of whole models (real shapes and formats, random values) per
+//! decoded token and per 128-token prompt; `--decode-rows N` adds N tokens decoded
+//! together (`--accurate` for 16-bit activations, as decode steps use), the aggregate
+//! tokens per second of a batch of sequences. With `KERN_HOT` set in the environment,
+//! the matrices of one shape share their bytes, so that the same work runs from the
+//! caches: the difference to the default says how much of it memory binds.
+//!
 //! Times are the best of five trials, so that other processes on a shared machine
 //! disturb them less; run it on an idle machine all the same.
 
@@ -131,7 +138,11 @@ fn main() {
         small(&pools, &mut rng);
     }
     if !has("--no-models") {
-        models(&pools, &mut rng);
+        // `--decode-rows N`: also N tokens decoded together (a batch of sequences),
+        // at the precision `--accurate` picks.
+        let rows = flag("--decode-rows").map(|v| v.parse::<usize>().expect("--decode-rows N"));
+        let p = if has("--accurate") { Precision::Accurate } else { Precision::Fast };
+        models(&pools, &mut rng, rows.map(|n| (n, p)));
     }
 }
 
@@ -219,30 +230,44 @@ fn model_shapes() -> Vec<(&'static str, Vec<Layer>, Layer)> {
 /// matrix of a real model (random values, real shapes and formats, each matrix in its
 /// own memory so decode streams the whole model as a forward pass does). The LM head
 /// runs on one token in both, as llama.cpp does for a prompt.
-fn models(pools: &[rayon::ThreadPool], rng: &mut Rng) {
+fn models(pools: &[rayon::ThreadPool], rng: &mut Rng, batch: Option<(usize, Precision)>) {
     println!("\nmodels, matmuls only (attention, norms etc. not included)");
-    println!("{:<27} {:>3} | {:>14} | {:>18}", "model", "thr", "decode tok/s", "prefill-128 tok/s");
+    let batch_head = batch.map_or(String::new(), |(n, p)| format!(" | {:>18}", format!("{n} rows {p:?}")));
+    println!("{:<27} {:>3} | {:>14} | {:>18}{batch_head}", "model", "thr", "decode tok/s", "prefill-128 tok/s");
     for (name, layers, head) in model_shapes() {
-        let mut mats: Vec<(DType, usize, usize, Vec<u8>)> = vec![];
+        // `KERN_HOT`: the matrices of one shape share their bytes (cache-resident).
+        let hot = std::env::var_os("KERN_HOT").is_some();
+        let mut bufs: Vec<Vec<u8>> = vec![];
+        let mut mats: Vec<(DType, usize, usize, usize)> = vec![];
         for &(dtype, rows, cols, count) in layers.iter().chain(std::iter::once(&head)) {
             let one = random_matrix(dtype, rows, cols, rng);
-            mats.extend((0..count).map(|_| (dtype, rows, cols, one.clone())));
+            for _ in 0..count {
+                if bufs.is_empty() || !hot || mats.last().is_none_or(|m| (m.0, m.1, m.2) != (dtype, rows, cols)) {
+                    bufs.push(one.clone());
+                }
+                mats.push((dtype, rows, cols, bufs.len() - 1));
+            }
         }
         let maxc = mats.iter().map(|m| m.2.max(m.1)).max().unwrap();
         let x = random_input(128, maxc, rng);
         let mut out = vec![0f32; 128 * mats.iter().map(|m| m.1).max().unwrap()];
         let last = mats.len() - 1;
-        let mut pass = |n: usize| {
-            for (i, (dtype, rows, cols, bytes)) in mats.iter().enumerate() {
-                let n = if i == last { 1 } else { n };
-                let w = MatRef::new(*dtype, *rows, *cols, bytes).unwrap();
-                matmul(w, &x[..n * cols], n, &mut out[..n * rows], Precision::Fast);
+        // A prompt's last layer computes one row of the head; a decode step all of them.
+        let mut pass = |n: usize, head_rows: usize, precision: Precision| {
+            for (i, &(dtype, rows, cols, b)) in mats.iter().enumerate() {
+                let n = if i == last { head_rows } else { n };
+                let w = MatRef::new(dtype, rows, cols, &bufs[b]).unwrap();
+                matmul(w, &x[..n * cols], n, &mut out[..n * rows], precision);
             }
         };
         for (ti, p) in pools.iter().enumerate() {
-            let dec = p.install(|| time(Duration::from_millis(1500), || pass(1)));
-            let pre = p.install(|| time(Duration::from_millis(3000), || pass(128)));
-            println!("{:<27} {:>3} | {:>14.0} | {:>18.0}", name, ti + 1, 1.0 / dec, 128.0 / pre);
+            let dec = p.install(|| time(Duration::from_millis(1500), || pass(1, 1, Precision::Fast)));
+            let pre = p.install(|| time(Duration::from_millis(3000), || pass(128, 1, Precision::Fast)));
+            let many = batch.map_or(String::new(), |(n, precision)| {
+                let t = p.install(|| time(Duration::from_millis(3000), || pass(n, n, precision)));
+                format!(" | {:>18.1}", n as f64 / t)
+            });
+            println!("{:<27} {:>3} | {:>14.0} | {:>18.0}{many}", name, ti + 1, 1.0 / dec, 128.0 / pre);
         }
     }
 }
