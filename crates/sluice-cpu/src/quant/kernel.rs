@@ -109,7 +109,9 @@ pub(crate) unsafe fn words(p: *const i8, e: usize) -> [u32; 4] {
 /// sums of a sub-block pair) then lives only while that token is stepped, instead of
 /// eight tokens' states at once, which did not fit in the registers (measured: the
 /// states spilled to the stack at every chunk). Every token sees the same calls in
-/// the same order either way, so the results are the same bits.
+/// the same order either way, so the results are the same bits. Callers mark the
+/// `chunk` closure `#[inline(always)]`: left to itself LLVM called it, and a chunk
+/// then went through memory (2 to 8 rows ran five times slower).
 #[inline(always)]
 unsafe fn unit<S: Lanes, K: Kernel<S>, const C: usize, const TWO: bool>(
     chunk: impl Fn(usize) -> Chunk<S>,
