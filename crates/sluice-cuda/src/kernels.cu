@@ -1,8 +1,8 @@
 // sluice's CUDA kernels, compiled by NVRTC when the backend starts (kernels.rs).
 //
 // Weights stay in their stored format in device memory; every product dequantizes
-// four consecutive elements at a time per thread (deq4) into registers and
-// multiplies in f32. The layouts are ggml's, as sluice_core::quant::dequantize_block
+// four consecutive elements at a time per thread (deq4; the K-quants two such runs
+// that share their codes' bytes, deq_pair) into registers and multiplies in f32. The layouts are ggml's, as sluice_core::quant::dequantize_block
 // reads them.
 
 typedef unsigned char u8;
@@ -177,6 +177,50 @@ __device__ __forceinline__ void deq4(const u8* row, int e, int cols, float* v) {
     }
 }
 
+// Two runs of four elements that share their codes' bytes: a Q4_K / Q5_K byte holds
+// element i of sub-blocks 2p and 2p + 1 (elements e and e + 32), a Q6_K `ql` byte
+// element i of strips s and s + 2 (e and e + 64), with its `qh` byte. One load of
+// codes (and of `dm`, `qh`) serves eight weights. v[0..4) are e.., v[4..8) e + PAIR_GAP.
+#define PAIR_GAP(F) ((F) == F_Q6K ? 64 : 32)
+template <int F>
+__device__ __forceinline__ void deq_pair(const u8* row, int e, float* v) {
+    if (F == F_Q4K || F == F_Q5K) {
+        const u8* b = row + (F == F_Q4K ? 144 : 176) * (e >> 8);
+        int j = (e & 255) >> 5, i = e & 31;  // j even
+        u32 dm = ld32(b);
+        int sc0, m0, sc1, m1;
+        k_scale_min(b + 4, j, &sc0, &m0);
+        k_scale_min(b + 4, j + 1, &sc1, &m1);
+        float d = h2f_lo(dm), dmin = h2f_hi(dm);
+        float s0 = d * (float)sc0, n0 = dmin * (float)m0, s1 = d * (float)sc1, n1 = dmin * (float)m1;
+        u32 q = ld32(b + (F == F_Q4K ? 16 : 48) + 16 * j + i);
+        u32 qh = F == F_Q5K ? ld32(b + 16 + i) : 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int c0 = byte_k(q, k) & 15, c1 = byte_k(q, k) >> 4;
+            if (F == F_Q5K) {
+                c0 |= ((byte_k(qh, k) >> j) & 1) << 4;
+                c1 |= ((byte_k(qh, k) >> (j + 1)) & 1) << 4;
+            }
+            v[k] = s0 * (float)c0 - n0;
+            v[4 + k] = s1 * (float)c1 - n1;
+        }
+    } else {
+        const u8* b = row + 210 * (e >> 8);
+        int ee = e & 255, h = ee >> 7, s = (ee & 127) >> 5, i = e & 31;  // s 0 or 1
+        u32 ql = ld32_2(b + 64 * h + 32 * s + i);
+        u32 qh = ld32_2(b + 128 + 32 * h + i);
+        float d = h2f((u16)ld16(b + 208));
+        float s0 = d * (float)((const i8*)b)[192 + (ee >> 4)], s1 = d * (float)((const i8*)b)[192 + ((ee + 64) >> 4)];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int lo = byte_k(ql, k), hi = byte_k(qh, k);
+            v[k] = s0 * (float)(((lo & 15) | (((hi >> (2 * s)) & 3) << 4)) - 32);
+            v[4 + k] = s1 * (float)(((lo >> 4) | (((hi >> (2 * s + 4)) & 3) << 4)) - 32);
+        }
+    }
+}
+
 // Warps per block, all on one output row (each a quarter of its columns: a decode
 // product has too few rows to keep the GPU's memory busy with a warp per row), and
 // input rows per pass of the weights.
@@ -194,6 +238,29 @@ __device__ __forceinline__ void rows_loop(const u8* row, int cols, int nr, X xro
     float a[NR];
 #pragma unroll
     for (int r = 0; r < NR; r++) a[r] = 0.0f;
+    if (F == F_Q4K || F == F_Q5K || F == F_Q6K) {
+        // A warp takes 256 elements at a time, each lane two runs of four that share
+        // their codes (deq_pair); the lanes' first runs are four whole 128-byte lines
+        // of a row's inputs, their second runs the other four. (Measured on an H100:
+        // decode +7%, eight sequences +6-9%, a 512-token prompt -4%, against one run
+        // of four a lane; eight consecutive elements a lane lost a fifth of prefill.)
+        int e0 = F == F_Q6K ? 128 * (lane >> 4) + 32 * ((lane >> 3) & 1) + 4 * (lane & 7)
+                            : 64 * (lane >> 3) + 4 * (lane & 7);
+        for (int e = e0 + 256 * warp; e < cols; e += 256 * MM_WARPS) {
+            float w[8];
+            deq_pair<F>(row, e, w);
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                float4 t = *(const float4*)(xs[r] + e);
+                float4 u = *(const float4*)(xs[r] + e + PAIR_GAP(F));
+                a[r] += w[0] * t.x + w[1] * t.y + w[2] * t.z + w[3] * t.w + w[4] * u.x + w[5] * u.y + w[6] * u.z +
+                        w[7] * u.w;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < NR; r++) acc[r] = a[r];
+        return;
+    }
     for (int e = 4 * lane + 128 * warp; e < cols; e += 128 * MM_WARPS) {
         float w[4];
         deq4<F>(row, e, cols, w);
@@ -210,7 +277,7 @@ __device__ __forceinline__ void rows_loop(const u8* row, int cols, int nr, X xro
 // The shared body of the products: the block computes output `o` of up to MM_ROWS
 // input rows against weight row `row`; warp w takes every fourth run of 128
 // elements, each lane four consecutive elements of a run (coalesced reads of
-// weights and inputs alike). The warps' sums are added in warp order. `X` gives
+// weights and inputs alike; the K-quants every fourth run of 256, see rows_loop). The warps' sums are added in warp order. `X` gives
 // input row r's address, `Y` stores its result. Every thread of the block calls it.
 template <int F, class X, class Y>
 __device__ __forceinline__ void mm_block(const u8* row, int cols, int nr, X xrow, Y store) {
