@@ -234,15 +234,16 @@ fn models(pools: &[rayon::ThreadPool], rng: &mut Rng, batch: Option<(usize, Prec
     println!("\nmodels, matmuls only (attention, norms etc. not included)");
     let batch_head = batch.map_or(String::new(), |(n, p)| format!(" | {:>18}", format!("{n} rows {p:?}")));
     println!("{:<27} {:>3} | {:>14} | {:>18}{batch_head}", "model", "thr", "decode tok/s", "prefill-128 tok/s");
+    // `KERN_HOT`: the matrices of one shape share their bytes (cache-resident).
+    let hot = std::env::var_os("KERN_HOT").is_some();
     for (name, layers, head) in model_shapes() {
-        // `KERN_HOT`: the matrices of one shape share their bytes (cache-resident).
-        let hot = std::env::var_os("KERN_HOT").is_some();
+        // Each matrix's shape and the index of its bytes in `bufs`.
         let mut bufs: Vec<Vec<u8>> = vec![];
         let mut mats: Vec<(DType, usize, usize, usize)> = vec![];
         for &(dtype, rows, cols, count) in layers.iter().chain(std::iter::once(&head)) {
             let one = random_matrix(dtype, rows, cols, rng);
-            for _ in 0..count {
-                if bufs.is_empty() || !hot || mats.last().is_none_or(|m| (m.0, m.1, m.2) != (dtype, rows, cols)) {
+            for k in 0..count {
+                if k == 0 || !hot {
                     bufs.push(one.clone());
                 }
                 mats.push((dtype, rows, cols, bufs.len() - 1));

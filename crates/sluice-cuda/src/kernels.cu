@@ -2,8 +2,8 @@
 //
 // Weights stay in their stored format in device memory; every product dequantizes
 // four consecutive elements at a time per thread (deq4; the K-quants two such runs
-// that share their codes' bytes, deq_pair) into registers and multiplies in f32. The layouts are ggml's, as sluice_core::quant::dequantize_block
-// reads them.
+// that share their codes' bytes, deq_pair) into registers and multiplies in f32.
+// The layouts are ggml's, as sluice_core::quant::dequantize_block reads them.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -277,8 +277,9 @@ __device__ __forceinline__ void rows_loop(const u8* row, int cols, int nr, X xro
 // The shared body of the products: the block computes output `o` of up to MM_ROWS
 // input rows against weight row `row`; warp w takes every fourth run of 128
 // elements, each lane four consecutive elements of a run (coalesced reads of
-// weights and inputs alike; the K-quants every fourth run of 256, see rows_loop). The warps' sums are added in warp order. `X` gives
-// input row r's address, `Y` stores its result. Every thread of the block calls it.
+// weights and inputs alike; the K-quants every fourth run of 256, see rows_loop).
+// The warps' sums are added in warp order. `X` gives input row r's address, `Y`
+// stores its result. Every thread of the block calls it.
 template <int F, class X, class Y>
 __device__ __forceinline__ void mm_block(const u8* row, int cols, int nr, X xrow, Y store) {
     __shared__ float part[MM_WARPS][MM_ROWS];
