@@ -396,7 +396,14 @@ impl<B: Backend> Model<B> {
             }
             counts.push(rows.len() - before);
         }
-        let logits = if rows.is_empty() { Vec::new() } else { self.logits(&be, &x, &rows, stats).map_err(fail)? };
+        let logits = if rows.is_empty() {
+            Vec::new()
+        } else {
+            // The gathered rows keep their own precisions (a decode row's logits beside
+            // a prompt's last row are what it gives alone).
+            let be = be.with_precision(batch.precision.gather(rows.iter().copied()));
+            self.logits(&be, &x, &rows, stats).map_err(fail)?
+        };
 
         // Nothing failed: the sequences take their new keys and values.
         for (i, (p, s)) in parts.iter().zip(&batch.seqs).enumerate() {
