@@ -15,6 +15,9 @@ status=0
 if [ -x devbin/gpu-tests ]; then
     echo "== tests"
     devbin/gpu-tests --test-threads 1 --nocapture 2>&1 || status=1
+    echo "== tests of the integer products (SLUICE_CUDA_PRODUCTS=int)"
+    SLUICE_CUDA_PRODUCTS=int devbin/gpu-tests --test-threads 1 --nocapture every_format quantized_moe fixtures_against \
+        long_sequences vram_tier 2>&1 || status=1
 fi
 if [ -x devbin/sluice ] && [ -n "${GPU_BENCH:-}" ]; then
     echo "== speed"

@@ -8,7 +8,10 @@
 //! Each product is launched 200 times back to back and waited for once, so a row's
 //! time is the GPU's when the GPU is the slower side and the host's launch rate when
 //! it is not (the `add` row shows that rate). `SLUICE_CUDA_VARIANT` picks a kernel
-//! variant of kernels.cu to compare.
+//! variant of kernels.cu to compare; `SLUICE_CUDA_PRODUCTS=int` the integer products of
+//! K-quant weights instead of the float ones. An integer product quantizes its input
+//! at the first call only (the activation keeps its quantized rows), so its rows here
+//! leave out that launch.
 
 #[path = "../../sluice-cpu/tests/common/mod.rs"]
 mod common;

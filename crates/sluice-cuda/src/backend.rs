@@ -1,10 +1,12 @@
 //! [`Backend`] on one GPU.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::CudaSlice;
-use sluice_core::{Activation, Error, Glu, HeadOrder, KvFormat, KvLayout, Result, RopeSpec, RopeStyle, RouterKind};
+use sluice_core::{
+    Activation, DType, Error, Glu, HeadOrder, KvFormat, KvLayout, Precision, Result, RopeSpec, RopeStyle, RouterKind,
+};
 use sluice_engine::backend::{
     AttnOp, Backend, DeltaOp, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols,
 };
@@ -19,11 +21,56 @@ pub struct DevAct {
     pub rows: usize,
     pub cols: usize,
     buf: Scratch<f32>,
+    /// Its rows quantized for the integer products, made by the first such product
+    /// and shared by the others (q, k and v; gate and up). Kernels that write the
+    /// matrix take its address by [`Cuda::w`], which forgets this.
+    quant: OnceLock<DevQ>,
 }
 
 impl DevAct {
+    fn new(rows: usize, cols: usize, buf: Scratch<f32>) -> DevAct {
+        DevAct { rows, cols, buf, quant: OnceLock::new() }
+    }
+
     fn len(&self) -> usize {
         self.rows * self.cols
+    }
+}
+
+/// An activation's rows quantized per 32 elements to 8 or 16 bits (kernels.cu's
+/// `quantize_act` and `QIn`).
+struct DevQ {
+    /// Codes, four a word: row i's (or its high bytes) at byte i * cols, a 16-bit
+    /// row's low bytes at (rows + i) * cols.
+    codes: Scratch<u32>,
+    /// Per 32 elements: the scale, then (from rows * blocks on) scale * sum of codes.
+    scales: Scratch<f32>,
+    /// Per 16 elements, the sum of codes (as i32); then one word a row, 1 for 16 bits.
+    sums: Scratch<u32>,
+}
+
+/// How the products multiply K-quant weights (Q4_K, Q5_K, Q6_K).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Products {
+    /// Against activations quantized to the row's precision, by `dp4a`
+    /// (`SLUICE_CUDA_PRODUCTS=int`; the default once measured on a GPU, which it has
+    /// not been yet: scripts/device-notes.md).
+    Integer,
+    /// Each weight unpacked to f32 against f32 activations (the default).
+    Float,
+}
+
+impl Products {
+    fn from_env() -> Products {
+        match std::env::var("SLUICE_CUDA_PRODUCTS").as_deref() {
+            Ok("int") => Products::Integer,
+            _ => Products::Float,
+        }
+    }
+
+    /// Whether weights of `dtype` take the integer products.
+    fn integer(self, dtype: DType) -> bool {
+        self == Products::Integer && matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K)
     }
 }
 
@@ -191,6 +238,9 @@ pub struct Cuda {
     limit: Option<(usize, usize)>,
     /// See [`Cuda::constant`].
     constants: Arc<Mutex<Constants>>,
+    /// The precision of each row of the step ([`Backend::with_precision`]).
+    precision: RowPrecision,
+    products: Products,
 }
 
 impl Cuda {
@@ -203,6 +253,8 @@ impl Cuda {
             tier_budget: None,
             limit: None,
             constants: Arc::default(),
+            precision: RowPrecision::default(),
+            products: Products::from_env(),
         })
     }
 
@@ -340,6 +392,12 @@ impl Cuda {
         Ok(p)
     }
 
+    /// Whether products with weights of `dtype` multiply quantized activations (the
+    /// integer products) rather than f32 ones.
+    pub fn integer_products(&self, dtype: DType) -> bool {
+        self.products.integer(dtype)
+    }
+
     /// The GPU's name, as the driver gives it.
     pub fn device_name(&self) -> &str {
         &self.dev.name
@@ -355,7 +413,7 @@ impl Cuda {
         if data.len() != rows * cols {
             return Err(Error::Usage(format!("{} values for a {rows} x {cols} activation", data.len())));
         }
-        Ok(DevAct { rows, cols, buf: self.dev.upload_scratch(data)? })
+        Ok(DevAct::new(rows, cols, self.dev.upload_scratch(data)?))
     }
 
     /// A parameter vector from host values (for tests).
@@ -374,11 +432,61 @@ impl Cuda {
     }
 
     fn act(&self, rows: usize, cols: usize) -> Result<DevAct> {
-        Ok(DevAct { rows, cols, buf: self.dev.scratch(rows * cols)? })
+        Ok(DevAct::new(rows, cols, self.dev.scratch(rows * cols)?))
     }
 
     fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
         self.dev.ptr(s)
+    }
+
+    /// The address of an activation a kernel is about to write: its quantized rows, if
+    /// any were made, no longer hold.
+    fn w(&self, x: &mut DevAct) -> u64 {
+        x.quant.take();
+        self.p(&x.buf)
+    }
+
+    /// `x`'s rows quantized, each at its precision, made once per activation. `map`:
+    /// the step's row of each row of `x` (a grouped product's compact rows, on the
+    /// device), whose precision it takes; without one, row i is the step's row i.
+    fn quantized<'a>(&self, x: &'a DevAct, map: Option<u64>) -> Result<&'a DevQ> {
+        if let Some(q) = x.quant.get() {
+            return Ok(q);
+        }
+        let (rows, cols) = (x.rows, x.cols);
+        let blocks = cols / 32;
+        let q = DevQ {
+            codes: self.dev.scratch::<u32>(2 * rows * cols / 4)?,
+            scales: self.dev.scratch::<f32>(2 * rows * blocks)?,
+            sums: self.dev.scratch::<u32>(2 * rows * blocks + rows)?,
+        };
+        // One precision for every row, or a flag per row of the step.
+        let (uniform, flags) = match (&self.precision, map) {
+            (RowPrecision::All(p), _) => ((*p == Precision::Accurate) as i32, 0),
+            (RowPrecision::PerRow(v), _) => {
+                let flags: Vec<u32> = v.iter().map(|&p| (p == Precision::Accurate) as u32).collect();
+                if map.is_none() && flags.len() != rows {
+                    return Err(Error::Device(format!(
+                        "cuda: {} rows of precisions for a product of {rows} rows (internal error)",
+                        flags.len()
+                    )));
+                }
+                (-1, self.constant(&flags)?)
+            }
+        };
+        let (codes, scales, sums) = (self.p(&q.codes), self.p(&q.scales), self.p(&q.sums));
+        let warps = rows * blocks;
+        launch!(&self.dev, "quantize_act", grid((warps.div_ceil(8) as u32, 1), 256, 0);
+            self.p(&x.buf), rows as i32, cols as i32, uniform, flags, map.unwrap_or(0), codes, scales,
+            scales + (4 * rows * blocks) as u64, sums, sums + (4 * 2 * rows * blocks) as u64)?;
+        Ok(x.quant.get_or_init(|| q))
+    }
+
+    /// Where a quantized activation's arrays are, in `QIn`'s order (kernels.cu).
+    fn qin(&self, q: &DevQ, rows: usize, cols: usize) -> (u64, u64, u64, u64, u64, i32, i32) {
+        let blocks = (rows * cols / 32) as u64;
+        let (scales, sums) = (self.p(&q.scales), self.p(&q.sums));
+        (self.p(&q.codes), scales, scales + 4 * blocks, sums, sums + 4 * 2 * blocks, rows as i32, cols as i32)
     }
 
     /// `y = x · Wᵀ` for weight bytes at device address `w`.
@@ -394,6 +502,13 @@ impl Cuda {
             return Ok(y);
         }
         let cfg = grid((w.rows as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
+        if self.products.integer(w.dtype) {
+            let (q, d, sx, s16, wide, n, cols) = self.qin(self.quantized(x, None)?, x.rows, x.cols);
+            let name = format!("mmq_{}", format_suffix(w.dtype));
+            launch!(&self.dev, &name, cfg;
+                w.ptr, w.row_bytes as i64, w.rows as i32, q, d, sx, s16, wide, n, cols, self.p(&y.buf))?;
+            return Ok(y);
+        }
         let name = format!("mm_{}", format_suffix(w.dtype));
         launch!(&self.dev, &name, cfg;
             w.ptr, w.row_bytes as i64, w.rows as i32, w.cols as i32, self.p(&x.buf), x.rows as i32, self.p(&y.buf))?;
@@ -452,8 +567,18 @@ impl Cuda {
         launch!(&self.dev, "plan_experts", grid((1, 1), 256, (3 * e * 4) as u32);
             self.p(&routing.ids), j as i32, k as i32, e as i32, self.p(&slots), self.p(&rows), self.p(&expert_of),
             self.p(&work), n_work as i32)?;
+        // `xrow`: the step's row of each compact row (null: the input is the compact
+        // rows themselves, whose step rows are `rows`).
         let grouped = |ws: &CudaSlice<u64>, m: &DevMat, input: &DevAct, xrow: u64, y: &DevAct| -> Result<()> {
             let cfg = grid((m.rows as u32, n_work as u32), 128, 0);
+            if self.products.integer(m.dtype) {
+                let map = if xrow == 0 { Some(self.p(&rows)) } else { None };
+                let (q, d, sx, s16, wide, n, cols) = self.qin(self.quantized(input, map)?, input.rows, input.cols);
+                let name = format!("mmgq_{}", format_suffix(m.dtype));
+                return launch!(&self.dev, &name, cfg;
+                    self.p(ws), m.row_bytes as i64, m.rows as i32, q, d, sx, s16, wide, n, cols, xrow,
+                    self.p(&work), self.p(&y.buf), 0u64);
+            }
             let name = format!("mmg_{}", format_suffix(m.dtype));
             launch!(&self.dev, &name, cfg;
                 self.p(ws), m.row_bytes as i64, m.rows as i32, m.cols as i32, self.p(&input.buf), xrow,
@@ -466,7 +591,7 @@ impl Cuda {
         let bias = |a: &mut DevAct, b: &DevVector| -> Result<()> {
             let n = a.len();
             launch!(&self.dev, "add_expert_bias", elementwise(n);
-                self.p(&a.buf), self.p(&b.dev), self.p(&expert_of), a.cols as i32, n as i64)
+                self.w(a), self.p(&b.dev), self.p(&expert_of), a.cols as i32, n as i64)
         };
         if let Some(b) = &ffn.bias {
             bias(&mut g, &b.gate)?;
@@ -533,10 +658,10 @@ impl Backend for Cuda {
         "cuda"
     }
 
-    /// The GPU computes every row in f32 from the stored weights, so the precision a
-    /// step asks for changes nothing.
-    fn with_precision(&self, _: RowPrecision) -> Cuda {
-        self.clone()
+    /// Each row's precision for the integer products' quantized activations (f32,
+    /// f16, bf16 and the other block formats compute in f32 whatever it is).
+    fn with_precision(&self, precision: RowPrecision) -> Cuda {
+        Cuda { precision, ..self.clone() }
     }
 
     fn mat(&self, t: &TensorView) -> Result<DevMat> {
@@ -589,34 +714,34 @@ impl Backend for Cuda {
         let groups = x.len() / n.group.max(1);
         let w = n.weight.map_or(0, |v| self.p(&v.dev));
         launch!(&self.dev, "rms_norm", grid((groups as u32, 1), 256, 0);
-            self.p(&x.buf), n.group as i32, w, n.offset, n.eps)
+            self.w(x), n.group as i32, w, n.offset, n.eps)
     }
 
     fn add(&self, x: &mut DevAct, y: &DevAct) -> Result<()> {
         self.same_len(x, y, "a sum")?;
         let n = x.len();
-        launch!(&self.dev, "add", elementwise(n); self.p(&x.buf), self.p(&y.buf), n as i64)
+        launch!(&self.dev, "add", elementwise(n); self.w(x), self.p(&y.buf), n as i64)
     }
 
     fn mul(&self, x: &mut DevAct, y: &DevAct) -> Result<()> {
         self.same_len(x, y, "a product")?;
         let n = x.len();
-        launch!(&self.dev, "mul", elementwise(n); self.p(&x.buf), self.p(&y.buf), n as i64)
+        launch!(&self.dev, "mul", elementwise(n); self.w(x), self.p(&y.buf), n as i64)
     }
 
     fn scale(&self, x: &mut DevAct, s: f32) -> Result<()> {
         let n = x.len();
-        launch!(&self.dev, "scale", elementwise(n); self.p(&x.buf), s, n as i64)
+        launch!(&self.dev, "scale", elementwise(n); self.w(x), s, n as i64)
     }
 
     fn mul_row(&self, x: &mut DevAct, v: &DevVector) -> Result<()> {
         let n = x.len();
-        launch!(&self.dev, "mul_row", elementwise(n); self.p(&x.buf), self.p(&v.dev), x.cols as i32, n as i64)
+        launch!(&self.dev, "mul_row", elementwise(n); self.w(x), self.p(&v.dev), x.cols as i32, n as i64)
     }
 
     fn add_row(&self, x: &mut DevAct, v: &DevVector) -> Result<()> {
         let n = x.len();
-        launch!(&self.dev, "add_row", elementwise(n); self.p(&x.buf), self.p(&v.dev), x.cols as i32, n as i64)
+        launch!(&self.dev, "add_row", elementwise(n); self.w(x), self.p(&v.dev), x.cols as i32, n as i64)
     }
 
     fn copy(&self, x: &DevAct) -> Result<DevAct> {
@@ -699,7 +824,7 @@ impl Backend for Cuda {
         if n == 0 {
             return Ok(());
         }
-        launch!(&self.dev, "scale_rows", elementwise(n); self.p(&x.buf), self.p(&s.buf), x.cols as i32, n as i64)
+        launch!(&self.dev, "scale_rows", elementwise(n); self.w(x), self.p(&s.buf), x.cols as i32, n as i64)
     }
 
     fn copy_columns(&self, dst: &mut DevAct, to: HeadCols, src: &DevAct, from: HeadCols) -> Result<()> {
@@ -709,13 +834,13 @@ impl Backend for Cuda {
             return Ok(());
         }
         launch!(&self.dev, "copy_columns", elementwise(n);
-            self.p(&dst.buf), dst.cols as i32, to.start as i32, self.p(&src.buf), src.cols as i32, from.start as i32,
+            self.w(dst), dst.cols as i32, to.start as i32, self.p(&src.buf), src.cols as i32, from.start as i32,
             to.heads as i32, to.len as i32, n as i64)
     }
 
     fn activate(&self, x: &mut DevAct, act: Activation) -> Result<()> {
         let n = x.len();
-        launch!(&self.dev, "activate", elementwise(n); self.p(&x.buf), act_code(act), n as i64)
+        launch!(&self.dev, "activate", elementwise(n); self.w(x), act_code(act), n as i64)
     }
 
     fn glu(&self, gate: &mut DevAct, up: &DevAct, glu: Glu) -> Result<()> {
@@ -725,12 +850,12 @@ impl Backend for Cuda {
             Glu::Gated(a) => (act_code(a), 0.0f32, 0.0f32),
             Glu::ClampedSwiglu { alpha, limit } => (2, alpha, limit),
         };
-        launch!(&self.dev, "glu", elementwise(n); self.p(&gate.buf), self.p(&up.buf), kind, alpha, limit, n as i64)
+        launch!(&self.dev, "glu", elementwise(n); self.w(gate), self.p(&up.buf), kind, alpha, limit, n as i64)
     }
 
     fn softcap(&self, x: &mut DevAct, cap: f32) -> Result<()> {
         let n = x.len();
-        launch!(&self.dev, "softcap", elementwise(n); self.p(&x.buf), cap, n as i64)
+        launch!(&self.dev, "softcap", elementwise(n); self.w(x), cap, n as i64)
     }
 
     fn rope(&self, x: &mut DevAct, head_dim: usize, batch: &Batch, rope: &RopeSpec) -> Result<()> {
@@ -746,12 +871,12 @@ impl Backend for Cuda {
             RopeStyle::Interleaved => 1,
         };
         launch!(&self.dev, "rope", elementwise(total);
-            self.p(&x.buf), x.cols as i32, head_dim as i32, pos, freq, pairs as i32, style,
+            self.w(x), x.cols as i32, head_dim as i32, pos, freq, pairs as i32, style,
             rope.attention_factor, total as i64)
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<DevAct> {
-        Ok(DevAct { rows, cols, buf: self.dev.zeros_scratch(rows * cols)? })
+        Ok(DevAct::new(rows, cols, self.dev.zeros_scratch(rows * cols)?))
     }
 
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<DevAct> {

@@ -61,7 +61,7 @@ pub enum Unit {
 impl Unit {
     /// The unit that holds kernel `name`.
     fn of(name: &str) -> Unit {
-        let format = ["mmg_", "mm_", "embed_"].iter().find_map(|p| name.strip_prefix(p));
+        let format = ["mmgq_", "mmq_", "mmg_", "mm_", "embed_"].iter().find_map(|p| name.strip_prefix(p));
         format
             .and_then(|f| DType::ALL.iter().find(|&&d| format_suffix(d) == f))
             .map_or(Unit::Common, |&d| Unit::Format(d))

@@ -280,9 +280,32 @@ __device__ __forceinline__ void rows_loop(const u8* row, int cols, int nr, X xro
 // weights and inputs alike; the K-quants every fourth run of 256, see rows_loop).
 // The warps' sums are added in warp order. `X` gives input row r's address, `Y`
 // stores its result. Every thread of the block calls it.
+// The block's sums of each lane's acc[r] for rows r < nr, lanes by shuffles and the
+// warps in warp order, stored by `store(r, sum)`. Every thread of the block calls it.
+template <class Y>
+__device__ __forceinline__ void block_sums(const float* acc, int nr, Y store) {
+    __shared__ float part[MM_WARPS][MM_ROWS];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Only the rows there are: a decode row's four loads per lane would otherwise
+    // be outweighed by eight reductions.
+#pragma unroll
+    for (int r = 0; r < MM_ROWS; r++) {
+        if (r < nr) {
+            float s = acc[r];
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffff, s, off);
+            if (lane == 0) part[warp][r] = s;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < nr) {
+        float s = 0.0f;
+        for (int w = 0; w < MM_WARPS; w++) s += part[w][threadIdx.x];
+        store(threadIdx.x, s);
+    }
+}
+
 template <int F, class X, class Y>
 __device__ __forceinline__ void mm_block(const u8* row, int cols, int nr, X xrow, Y store) {
-    __shared__ float part[MM_WARPS][MM_ROWS];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float acc[MM_ROWS];
 #pragma unroll
@@ -312,22 +335,7 @@ __device__ __forceinline__ void mm_block(const u8* row, int cols, int nr, X xrow
             }
         }
     }
-    // Only the rows there are: a decode row's four loads per lane would otherwise
-    // be outweighed by eight reductions.
-#pragma unroll
-    for (int r = 0; r < MM_ROWS; r++) {
-        if (r < nr) {
-            float s = acc[r];
-            for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffff, s, off);
-            if (lane == 0) part[warp][r] = s;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < nr) {
-        float s = 0.0f;
-        for (int w = 0; w < MM_WARPS; w++) s += part[w][threadIdx.x];
-        store(threadIdx.x, s);
-    }
+    block_sums(acc, nr, store);
 }
 
 struct DenseX {
@@ -397,6 +405,184 @@ __device__ void mm_grouped(const unsigned long long* ws, long long row_bytes, in
     mm_block<F>(row, cols, it.n, GatherX{x, xrow, cols, it.start}, ScatterY{y, yrow, out, o, it.start});
 }
 
+// ---- Integer products: K-quant weights against quantized activations ----
+//
+// The inputs quantized per 32 elements to 8 or 16 bits as sluice_cpu::quant::act does
+// it (quantize_act, below), so a product takes four weights against four inputs in
+// one `dp4a` and applies the block scales once per run of eight: the float products
+// above spend most of their instructions unpacking each weight to a float.
+
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Input rows as quantize_act writes them, row i of n: its codes (the 8-bit codes, or
+// a 16-bit code's high bytes) at q + i * cols, a 16-bit row's low bytes at
+// q + (n + i) * cols; per 32 elements the scale d and sx = d * sum(code); per 16
+// elements sum(code); wide[i] 1 for a 16-bit row.
+struct QIn {
+    const i8* q;
+    const float* d;
+    const float* sx;
+    const int* s16;
+    const u32* wide;
+    int n;
+    int cols;
+};
+
+// Two runs of eight weights of a K-quant row that share their codes' bytes (the
+// runs of deq_pair, twice as long): the codes as bytes c[0..2) (run 0) and c[2..4)
+// (run 1), each run's scale, and for Q4_K/Q5_K its min's.
+struct KRuns {
+    int c[4];
+    float f0, f1, n0, n1;
+};
+
+// Lane `sub` (0..16) of super-block `sb`: Q4_K/Q5_K elements 64p + 8t.. and
+// 64p + 32 + 8t.. (sub-blocks 2p and 2p + 1; p = sub / 4, t = sub % 4), Q6_K
+// 128h + 32s + 8t.. and 64 later (h = sub / 8, s = sub / 4 % 2). `e` gets the first
+// run's element within the row.
+template <int F>
+__device__ __forceinline__ KRuns k_runs(const u8* row, int sb, int sub, int* e) {
+    KRuns k;
+    int t = sub & 3;
+    if (F == F_Q4K || F == F_Q5K) {
+        int p = sub >> 2;
+        const u8* b = row + (F == F_Q4K ? 144 : 176) * sb;
+        u32 dm = ld32(b);
+        int sc0, m0, sc1, m1;
+        k_scale_min(b + 4, 2 * p, &sc0, &m0);
+        k_scale_min(b + 4, 2 * p + 1, &sc1, &m1);
+        float d = h2f_lo(dm), dmin = h2f_hi(dm);
+        k.f0 = d * (float)sc0, k.f1 = d * (float)sc1, k.n0 = dmin * (float)m0, k.n1 = dmin * (float)m1;
+        uint2 q = *(const uint2*)(b + (F == F_Q4K ? 16 : 48) + 32 * p + 8 * t);
+        k.c[0] = q.x & 0x0f0f0f0f, k.c[1] = q.y & 0x0f0f0f0f;
+        k.c[2] = (q.x >> 4) & 0x0f0f0f0f, k.c[3] = (q.y >> 4) & 0x0f0f0f0f;
+        if (F == F_Q5K) {
+            uint2 h = *(const uint2*)(b + 16 + 8 * t);
+            k.c[0] |= ((h.x >> (2 * p)) & 0x01010101) << 4, k.c[1] |= ((h.y >> (2 * p)) & 0x01010101) << 4;
+            k.c[2] |= ((h.x >> (2 * p + 1)) & 0x01010101) << 4, k.c[3] |= ((h.y >> (2 * p + 1)) & 0x01010101) << 4;
+        }
+        *e = 256 * sb + 64 * p + 8 * t;
+    } else {
+        int h = sub >> 3, s = (sub >> 2) & 1;
+        const u8* b = row + 210 * sb;
+        const u8* ql = b + 64 * h + 32 * s + 8 * t;
+        const u8* qh = b + 128 + 32 * h + 8 * t;
+        u32 qa = ld32_2(ql), qb = ld32_2(ql + 4), ha = ld32_2(qh), hb = ld32_2(qh + 4);
+        k.c[0] = (qa & 0x0f0f0f0f) | (((ha >> (2 * s)) & 0x03030303) << 4);
+        k.c[1] = (qb & 0x0f0f0f0f) | (((hb >> (2 * s)) & 0x03030303) << 4);
+        k.c[2] = ((qa >> 4) & 0x0f0f0f0f) | (((ha >> (2 * s + 4)) & 0x03030303) << 4);
+        k.c[3] = ((qb >> 4) & 0x0f0f0f0f) | (((hb >> (2 * s + 4)) & 0x03030303) << 4);
+        int ee = 128 * h + 32 * s + 8 * t;
+        float d = h2f((u16)ld16(b + 208));
+        k.f0 = d * (float)((const i8*)b)[192 + (ee >> 4)], k.f1 = d * (float)((const i8*)b)[192 + ((ee + 64) >> 4)];
+        k.n0 = k.n1 = 0.0f;
+        *e = 256 * sb + ee;
+    }
+    return k;
+}
+
+// The integer loop for exactly NR input rows (as rows_loop), `xrow(r)` giving input
+// row r's index in `in`. A warp takes two super-blocks at a time, sixteen lanes
+// each; a lane's codes are eight bytes, sixteen weights. A row's integer sums are
+// exact (a 16-bit row's byte products joined as 256 hi + lo first), then scaled
+// in the same order whatever the batch, so a row's bits do not depend on its
+// neighbours. The blocks' sums that the formats fold in (Q4_K/Q5_K's mins, Q6_K's
+// -32 offset per 16) are added by one lane of each run's block or group.
+template <int F, int NR, class X>
+__device__ __forceinline__ void rows_loop_q(const u8* row, int nr, X xrow, const QIn& in, float* acc) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane & 15, t = sub & 3;
+    int cols = in.cols, blocks = cols >> 5;
+    long long ri[NR];
+    bool wide[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) {
+        ri[r] = xrow(min(r, nr - 1));
+        wide[r] = in.wide[ri[r]] != 0;
+    }
+    float a[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) a[r] = 0.0f;
+    const int gap = F == F_Q6K ? 64 : 32;
+    for (int sb = 2 * warp + (lane >> 4); sb < cols >> 8; sb += 2 * MM_WARPS) {
+        int e;
+        KRuns k = k_runs<F>(row, sb, sub, &e);
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            const i8* xq = in.q + ri[r] * cols;
+            uint2 x0 = *(const uint2*)(xq + e), x1 = *(const uint2*)(xq + e + gap);
+            int i0 = dp4a(k.c[1], x0.y, dp4a(k.c[0], x0.x, 0));
+            int i1 = dp4a(k.c[3], x1.y, dp4a(k.c[2], x1.x, 0));
+            if (wide[r]) {
+                const i8* xl = in.q + ((long long)in.n + ri[r]) * cols;
+                uint2 l0 = *(const uint2*)(xl + e), l1 = *(const uint2*)(xl + e + gap);
+                i0 = i0 * 256 + dp4a(k.c[1], l0.y, dp4a(k.c[0], l0.x, 0));
+                i1 = i1 * 256 + dp4a(k.c[3], l1.y, dp4a(k.c[2], l1.x, 0));
+            }
+            if (F == F_Q6K && (t & 1) == 0) {
+                const int* s16 = in.s16 + ri[r] * 2 * blocks;
+                i0 -= 32 * s16[e >> 4];
+                i1 -= 32 * s16[(e + gap) >> 4];
+            }
+            const float* d = in.d + ri[r] * blocks;
+            float v = (float)i0 * (k.f0 * d[e >> 5]) + (float)i1 * (k.f1 * d[(e + gap) >> 5]);
+            if (F != F_Q6K && t == 0) {
+                const float* sx = in.sx + ri[r] * blocks;
+                v -= k.n0 * sx[e >> 5] + k.n1 * sx[(e + gap) >> 5];
+            }
+            a[r] += v;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; r++) acc[r] = a[r];
+}
+
+// mm_block on quantized inputs: output `o` of up to MM_ROWS input rows against weight
+// row `row`; xrow(r) is input row r's index in `in`.
+template <int F, class X, class Y>
+__device__ __forceinline__ void mmq_block(const u8* row, int nr, X xrow, const QIn& in, Y store) {
+    float acc[MM_ROWS];
+#pragma unroll
+    for (int r = 0; r < MM_ROWS; r++) acc[r] = 0.0f;
+    if (nr == 1) rows_loop_q<F, 1>(row, nr, xrow, in, acc);
+    else if (nr == 2) rows_loop_q<F, 2>(row, nr, xrow, in, acc);
+    else if (nr <= 4) rows_loop_q<F, 4>(row, nr, xrow, in, acc);
+    else rows_loop_q<F, 8>(row, nr, xrow, in, acc);
+    block_sums(acc, nr, store);
+}
+
+struct DenseRow {
+    int r0;
+    __device__ long long operator()(int r) const { return r0 + r; }
+};
+struct GatherRow {
+    const u32* rows;
+    int start;
+    __device__ long long operator()(int r) const { return rows ? (long long)rows[start + r] : start + r; }
+};
+
+// mm on quantized inputs: y[r, o] = x[r, :] · W[o, :]. Grid (out, ceil(n / MM_ROWS)).
+template <int F>
+__device__ void mmq(const u8* w, long long row_bytes, int out, QIn in, float* y) {
+    int o = blockIdx.x;
+    int r0 = blockIdx.y * MM_ROWS;
+    mmq_block<F>(w + (long long)o * row_bytes, min(MM_ROWS, in.n - r0), DenseRow{r0}, in, DenseY{y, out, o, r0});
+}
+
+// mm_grouped on quantized inputs.
+template <int F>
+__device__ void mmq_grouped(const unsigned long long* ws, long long row_bytes, int out, QIn in, const u32* xrow,
+                            const Work* work, float* y, const u32* yrow) {
+    int o = blockIdx.x;
+    Work it = work[blockIdx.y];
+    if (it.n == 0) return;
+    const u8* row = (const u8*)ws[it.expert] + (long long)o * row_bytes;
+    mmq_block<F>(row, it.n, GatherRow{xrow, it.start}, in, ScatterY{y, yrow, out, o, it.start});
+}
+
 // out[i, :] = W[tokens[i], :] * scale. Grid (n, ceil(cols / 4 / 128)), block 128:
 // a thread per four elements.
 template <int F>
@@ -429,6 +615,21 @@ __device__ void embed(const u8* w, long long row_bytes, int cols, const u32* tok
     }
 
 FORMAT_KERNELS(SLUICE_FORMAT, SLUICE_FORMAT_NAME)
+
+#if SLUICE_FORMAT == F_Q4K || SLUICE_FORMAT == F_Q5K || SLUICE_FORMAT == F_Q6K
+// The integer products (backend.rs: `Products::Integer`); the quantized input as QIn's fields.
+#define QIN_PARAMS const i8 *q, const float *d, const float *sx, const int *s16, const u32 *wide, int n, int cols
+#define QIN QIn{q, d, sx, s16, wide, n, cols}
+extern "C" __global__ void CAT(mmgq_, SLUICE_FORMAT_NAME)(const unsigned long long* ws, long long row_bytes, int out,
+                                                         QIN_PARAMS, const u32* xrow, const Work* work, float* y,
+                                                         const u32* yrow) {
+    mmq_grouped<SLUICE_FORMAT>(ws, row_bytes, out, QIN, xrow, work, y, yrow);
+}
+extern "C" __global__ void CAT(mmq_, SLUICE_FORMAT_NAME)(const u8* w, long long row_bytes, int out, QIN_PARAMS,
+                                                        float* y) {
+    mmq<SLUICE_FORMAT>(w, row_bytes, out, QIN, y);
+}
+#endif
 #else
 
 // ---- Element-wise operations (n elements; grid-stride loops) ----
@@ -498,6 +699,55 @@ extern "C" __global__ void combine(const float* ys, const float* w, int k, int c
         float s = 0.0f;
         for (int j = 0; j < k; j++) s += w[r * k + j] * ys[(r * k + j) * cols + c];
         out[i] = s;
+    }
+}
+
+// ---- Activations quantized for the integer products ----
+
+// Each row of x ([n, cols], cols a multiple of 32) quantized per 32 elements bit for
+// bit as sluice_cpu::quant::act does it: 8 bits, d = max|x| / 127, or 16 bits,
+// d = max|x| / 32512 with the code split into a rounded high byte and the rest;
+// code = rint(x * (1 / d)), NaNs to 0. Row r is 16-bit if `uniform` is 1, or where
+// uniform is -1 if flags[map ? map[r] : r] is (map: the compact rows of a grouped
+// product, flags the step's rows). Writes QIn's arrays (kernels' `QIn`). A warp per
+// block of 32, a lane per element; block 256.
+extern "C" __global__ void quantize_act(const float* x, int n, int cols, int uniform, const u32* flags,
+                                        const u32* map, i8* q, float* d, float* sx, int* s16, u32* wide) {
+    long long g = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31, blocks = cols >> 5;
+    if (g >= (long long)n * blocks) return;  // whole warps
+    int r = (int)(g / blocks), b = (int)(g % blocks);
+    int w = uniform >= 0 ? uniform : (int)flags[map ? map[r] : r];
+    long long at = (long long)r * cols + 32 * b + lane;
+    float v = x[at];
+    // max |x| as bit patterns, NaNs (the patterns above infinity's) as 0.
+    u32 bits = __float_as_uint(v) & 0x7fffffffu;
+    if (bits > 0x7f800000u) bits = 0;
+    for (int off = 16; off > 0; off >>= 1) bits = max(bits, __shfl_xor_sync(0xffffffff, bits, off));
+    float lim = w ? 32512.0f : 127.0f;
+    float db = __fdiv_rn(__uint_as_float(bits), lim);
+    float id = db != 0.0f ? __fdiv_rn(1.0f, db) : 0.0f;
+    float t = rintf(__fmul_rn(v, id));
+    t = t != t ? 0.0f : fminf(fmaxf(t, w ? -32512.0f : -128.0f), lim);
+    int code = (int)t;
+    if (w) {
+        int top = (code + 128) >> 8;
+        q[at] = (i8)top;
+        q[(long long)n * cols + at] = (i8)(code - 256 * top);
+    } else {
+        q[at] = (i8)code;
+    }
+    // Each half's sum (lanes 0..16 and 16..32), exact.
+    int s = code;
+    for (int off = 8; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+    int s1 = __shfl_xor_sync(0xffffffff, s, 16);
+    if (lane == 0) {
+        long long k = (long long)r * blocks + b;
+        d[k] = db;
+        sx[k] = __fmul_rn(db, (float)(s + s1));
+        s16[2 * k] = s;
+        s16[2 * k + 1] = s1;
+        if (b == 0) wide[r] = w;
     }
 }
 
