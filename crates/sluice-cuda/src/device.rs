@@ -523,7 +523,12 @@ pub(crate) fn format_suffix(d: DType) -> &'static str {
 /// The kernels of unit `unit`.
 fn kernel_names(unit: Unit) -> Vec<String> {
     let d = match unit {
-        Unit::Format(d) => return ["mm", "mmg", "embed"].map(|k| format!("{k}_{}", format_suffix(d))).to_vec(),
+        Unit::Format(d) => {
+            // The integer products exist for the K-quants only (kernels.cu).
+            let integer: &[&str] =
+                if matches!(d, DType::Q4K | DType::Q5K | DType::Q6K) { &["mmq", "mmgq"] } else { &[] };
+            return ["mm", "mmg", "embed"].iter().chain(integer).map(|k| format!("{k}_{}", format_suffix(d))).collect();
+        }
         Unit::Common => [
             "add",
             "mul",
@@ -549,6 +554,7 @@ fn kernel_names(unit: Unit) -> Vec<String> {
             "delta_rule",
             "route_top_k",
             "plan_experts",
+            "quantize_act",
         ],
     };
     d.map(String::from).to_vec()
