@@ -53,8 +53,8 @@ struct DevQ {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Products {
     /// Against activations quantized to the row's precision, by `dp4a`
-    /// (`SLUICE_CUDA_PRODUCTS=int`; the default once measured on a GPU, which it has
-    /// not been yet: scripts/device-notes.md).
+    /// (`SLUICE_CUDA_PRODUCTS=int`; slower than the float products in this first
+    /// version, scripts/device-notes.md, so not the default).
     Integer,
     /// Each weight unpacked to f32 against f32 activations (the default).
     Float,
