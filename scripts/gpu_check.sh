@@ -11,6 +11,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null)/nvidia/cu13/lib; do
     [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
+# Real models (scripts/fetch_models.sh) travel in parts of under 64 MiB, one call
+# each while the machine stays warm (scripts/device-notes.md):
+# devbin/models/NAME.part1..9, joined here once into $SLUICE_MODELS for
+# real_models_against_the_cpu.
+names=
+for first in devbin/models/*.part1; do
+    [ -f "$first" ] || continue
+    export SLUICE_MODELS=/tmp/sluice-models
+    mkdir -p "$SLUICE_MODELS"
+    name=$(basename "$first" .part1)
+    [ -f "$SLUICE_MODELS/$name" ] || cat devbin/models/"$name".part? >"$SLUICE_MODELS/$name"
+    names="$names,$name"
+done
+[ -n "$names" ] && export SLUICE_GPU_MODELS="${names#,}"
 status=0
 if [ -x devbin/gpu-tests ]; then
     echo "== tests"

@@ -7,9 +7,11 @@
 # time per call).
 set -uo pipefail
 m=${SPEED_MODEL:-/tmp/q30.gguf}
+# SPEED_BIN: another build to time (a baseline), devbin/sluice by default.
+bin=${SPEED_BIN:-devbin/sluice}
 [ -f "$m" ] || devbin/sluice synth --geometry qwen3-30b-a3b --skew 0.9 --out "$m" >/dev/null || exit 1
 # The bench invocation every measurement below shares.
-bench=(devbin/sluice bench -m "$m" --backend cuda --residency resident --no-roofline)
+bench=("$bin" bench -m "$m" --backend cuda --residency resident --no-roofline)
 b() {
     "${bench[@]}" --json "$@" 2>/dev/null | tail -1 |
         python3 -c 'import json, sys; j = json.load(sys.stdin); print("prefill %.1f tok/s, decode %.2f tok/s (%.2f per sequence)" % (j["prefill_tok_s"], j["decode_tok_s"], j["decode_tok_s_per_sequence"]))'

@@ -461,9 +461,9 @@ impl Cuda {
             sums: self.dev.scratch::<u32>(2 * rows * blocks + rows)?,
         };
         // One precision for every row, or a flag per row of the step.
-        let (uniform, flags) = match (&self.precision, map) {
-            (RowPrecision::All(p), _) => ((*p == Precision::Accurate) as i32, 0),
-            (RowPrecision::PerRow(v), _) => {
+        let (uniform, flags) = match &self.precision {
+            RowPrecision::All(p) => ((*p == Precision::Accurate) as i32, 0),
+            RowPrecision::PerRow(v) => {
                 let flags: Vec<u32> = v.iter().map(|&p| (p == Precision::Accurate) as u32).collect();
                 if map.is_none() && flags.len() != rows {
                     return Err(Error::Device(format!(
@@ -482,11 +482,19 @@ impl Cuda {
         Ok(x.quant.get_or_init(|| q))
     }
 
-    /// Where a quantized activation's arrays are, in `QIn`'s order (kernels.cu).
-    fn qin(&self, q: &DevQ, rows: usize, cols: usize) -> (u64, u64, u64, u64, u64, i32, i32) {
+    /// Where a quantized activation's arrays are, as the integer products take them.
+    fn qin(&self, q: &DevQ, rows: usize, cols: usize) -> QIn {
         let blocks = (rows * cols / 32) as u64;
         let (scales, sums) = (self.p(&q.scales), self.p(&q.sums));
-        (self.p(&q.codes), scales, scales + 4 * blocks, sums, sums + 4 * 2 * blocks, rows as i32, cols as i32)
+        QIn {
+            codes: self.p(&q.codes),
+            d: scales,
+            sx: scales + 4 * blocks,
+            s16: sums,
+            wide: sums + 4 * 2 * blocks,
+            rows: rows as i32,
+            cols: cols as i32,
+        }
     }
 
     /// `y = x · Wᵀ` for weight bytes at device address `w`.
@@ -501,17 +509,19 @@ impl Cuda {
         if x.rows == 0 {
             return Ok(y);
         }
-        let cfg = grid((w.rows as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
         if self.products.integer(w.dtype) {
-            let (q, d, sx, s16, wide, n, cols) = self.qin(self.quantized(x, None)?, x.rows, x.cols);
+            let cfg = grid((w.rows as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
+            let qin = self.qin(self.quantized(x, None)?, x.rows, x.cols);
             let name = format!("mmq_{}", format_suffix(w.dtype));
-            launch!(&self.dev, &name, cfg;
-                w.ptr, w.row_bytes as i64, w.rows as i32, q, d, sx, s16, wide, n, cols, self.p(&y.buf))?;
+            launch!(&self.dev, &name, cfg; w.ptr, w.row_bytes as i64, w.rows as i32, qin, self.p(&y.buf))?;
             return Ok(y);
         }
+        let ro = self.outputs_per_block(x.rows);
+        let cfg = grid((w.rows.div_ceil(ro) as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
         let name = format!("mm_{}", format_suffix(w.dtype));
         launch!(&self.dev, &name, cfg;
-            w.ptr, w.row_bytes as i64, w.rows as i32, w.cols as i32, self.p(&x.buf), x.rows as i32, self.p(&y.buf))?;
+            w.ptr, w.row_bytes as i64, w.rows as i32, w.cols as i32, self.p(&x.buf), x.rows as i32, ro as i32,
+            self.p(&y.buf))?;
         Ok(y)
     }
 
@@ -528,6 +538,55 @@ impl Cuda {
 
     fn desc(&self, m: &DevMat) -> MatDesc {
         MatDesc { dtype: m.dtype, rows: m.rows, cols: m.cols, row_bytes: m.row_bytes, ptr: self.p(&m.buf) }
+    }
+
+    /// Outputs one block of a product computes at once for `rows` input rows
+    /// (kernels.cu's `mm_block`: 1, 2 or 4). Every output has the same bits for any
+    /// choice, so this is a matter of speed alone.
+    fn outputs_per_block(&self, rows: usize) -> usize {
+        // EXPERIMENT: SLUICE_CUDA_OUT_ROWS="a,b" for one and two rows.
+        static CHOICE: OnceLock<[usize; 2]> = OnceLock::new();
+        let c = CHOICE.get_or_init(|| {
+            let v: Vec<usize> = std::env::var("SLUICE_CUDA_OUT_ROWS")
+                .unwrap_or_default()
+                .split(',')
+                .filter_map(|t| t.trim().parse().ok())
+                .filter(|n| [1, 2, 4].contains(n))
+                .collect();
+            if v.len() == 2 { [v[0], v[1].min(2)] } else { [4, 2] }
+        });
+        match rows {
+            1 => c[0],
+            2 => c[1],
+            _ => 1,
+        }
+    }
+
+    /// The `rms_norm` kernel over `io.len` elements in groups of `n.group`.
+    fn norm_into(&self, io: NormIo, n: &Norm<'_, Self>) -> Result<()> {
+        let groups = io.len / n.group.max(1);
+        if groups == 0 {
+            return Ok(());
+        }
+        let w = n.weight.map_or(0, |v| self.p(&v.dev));
+        launch!(&self.dev, "rms_norm", grid((groups as u32, 1), 256, 0);
+            io.x, io.add, io.y, n.group as i32, w, n.offset, n.eps)
+    }
+
+    /// What the rope kernels take of a step's positions and a RoPE: the pairs to turn
+    /// are those up to the last nonzero frequency (the rest would turn by zero).
+    fn rope_args(&self, batch: &Batch, rope: &RopeSpec) -> Result<RopeArgs> {
+        let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
+        Ok(RopeArgs {
+            positions: self.constant(&positions)?,
+            inv_freq: self.constant(&rope.inv_freq)?,
+            pairs: rope.inv_freq.iter().rposition(|&f| f != 0.0).map_or(0, |p| p + 1) as i32,
+            style: match rope.style {
+                RopeStyle::Half => 0,
+                RopeStyle::Interleaved => 1,
+            },
+            factor: rope.attention_factor,
+        })
     }
 
     fn same_len(&self, x: &DevAct, y: &DevAct, what: &str) -> Result<()> {
@@ -569,39 +628,47 @@ impl Cuda {
             self.p(&work), n_work as i32)?;
         // `xrow`: the step's row of each compact row (null: the input is the compact
         // rows themselves, whose step rows are `rows`).
-        let grouped = |ws: &CudaSlice<u64>, m: &DevMat, input: &DevAct, xrow: u64, y: &DevAct| -> Result<()> {
-            let cfg = grid((m.rows as u32, n_work as u32), 128, 0);
+        // A work item has at most as many rows as the step has (each row chooses an
+        // expert once).
+        let ro = self.outputs_per_block(j / k);
+        // `yrow` likewise: where each compact row's output goes (null: row itself).
+        let grouped = |ws: &CudaSlice<u64>, m: &DevMat, input: &DevAct, xrow: u64, y: &DevAct, yrow: u64| {
             if self.products.integer(m.dtype) {
+                let cfg = grid((m.rows as u32, n_work as u32), 128, 0);
                 let map = if xrow == 0 { Some(self.p(&rows)) } else { None };
-                let (q, d, sx, s16, wide, n, cols) = self.qin(self.quantized(input, map)?, input.rows, input.cols);
+                let qin = self.qin(self.quantized(input, map)?, input.rows, input.cols);
                 let name = format!("mmgq_{}", format_suffix(m.dtype));
                 return launch!(&self.dev, &name, cfg;
-                    self.p(ws), m.row_bytes as i64, m.rows as i32, q, d, sx, s16, wide, n, cols, xrow,
-                    self.p(&work), self.p(&y.buf), 0u64);
+                    self.p(ws), m.row_bytes as i64, m.rows as i32, qin, xrow, self.p(&work), self.p(&y.buf), yrow);
             }
+            let cfg = grid((m.rows.div_ceil(ro) as u32, n_work as u32), 128, 0);
             let name = format!("mmg_{}", format_suffix(m.dtype));
             launch!(&self.dev, &name, cfg;
                 self.p(ws), m.row_bytes as i64, m.rows as i32, m.cols as i32, self.p(&input.buf), xrow,
-                self.p(&work), self.p(&y.buf), 0u64)
+                self.p(&work), ro as i32, self.p(&y.buf), yrow)
         };
         let (inter, hidden) = (shape.gate.rows, shape.down.rows);
-        let (mut g, mut u, mut d) = (self.act(j, inter)?, self.act(j, inter)?, self.act(j, hidden)?);
-        grouped(&tables.gate, &shape.gate, x, self.p(&rows), &g)?;
-        grouped(&tables.up, &shape.up, x, self.p(&rows), &u)?;
+        let (mut g, mut u) = (self.act(j, inter)?, self.act(j, inter)?);
+        grouped(&tables.gate, &shape.gate, x, self.p(&rows), &g, 0)?;
+        grouped(&tables.up, &shape.up, x, self.p(&rows), &u, 0)?;
         let bias = |a: &mut DevAct, b: &DevVector| -> Result<()> {
             let n = a.len();
             launch!(&self.dev, "add_expert_bias", elementwise(n);
                 self.w(a), self.p(&b.dev), self.p(&expert_of), a.cols as i32, n as i64)
         };
-        if let Some(b) = &ffn.bias {
-            bias(&mut g, &b.gate)?;
-            bias(&mut u, &b.up)?;
-        }
+        let Some(b) = &ffn.bias else {
+            self.glu(&mut g, &u, ffn.glu)?;
+            // The down product writes each compact row's output to its slot.
+            return grouped(&tables.down, &shape.down, &g, 0, per_slot, self.p(&slots));
+        };
+        bias(&mut g, &b.gate)?;
+        bias(&mut u, &b.up)?;
         self.glu(&mut g, &u, ffn.glu)?;
-        grouped(&tables.down, &shape.down, &g, 0, &d)?;
-        if let Some(b) = &ffn.bias {
-            bias(&mut d, &b.down)?;
-        }
+        // The biases are by compact row, so the down product's rows go to their slots
+        // after them.
+        let mut d = self.act(j, hidden)?;
+        grouped(&tables.down, &shape.down, &g, 0, &d, 0)?;
+        bias(&mut d, &b.down)?;
         let n = d.len();
         launch!(&self.dev, "scatter_rows", elementwise(n);
             self.p(&d.buf), self.p(&slots), hidden as i32, self.p(&per_slot.buf), n as i64)
@@ -613,6 +680,24 @@ const MM_ROWS: usize = 8;
 
 /// What a product needs of a weight matrix on the device.
 #[derive(Clone, Copy)]
+/// The addresses an `rms_norm` launch reads and writes: `x` (of `len` elements),
+/// `add` (0: none) summed into it first, the result to `y` (which may be `x`).
+struct NormIo {
+    x: u64,
+    add: u64,
+    y: u64,
+    len: usize,
+}
+
+/// The device arguments of a RoPE (`Cuda::rope_args`).
+struct RopeArgs {
+    positions: u64,
+    inv_freq: u64,
+    pairs: i32,
+    style: i32,
+    factor: f32,
+}
+
 struct MatDesc {
     dtype: sluice_core::DType,
     rows: usize,
@@ -637,6 +722,24 @@ struct RowMeta {
 
 // SAFETY: plain integers, laid out as the kernel's struct.
 unsafe impl cudarc::driver::DeviceRepr for RowMeta {}
+
+/// A quantized activation as the integer products take it, `QIn` in kernels.cu:
+/// device addresses of the codes (high bytes, then a 16-bit row's low bytes), the
+/// scales and the scaled sums per 32 elements, the sums per 16, the rows' widths.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct QIn {
+    codes: u64,
+    d: u64,
+    sx: u64,
+    s16: u64,
+    wide: u64,
+    rows: i32,
+    cols: i32,
+}
+
+// SAFETY: addresses and integers, laid out as the kernel's struct.
+unsafe impl cudarc::driver::DeviceRepr for QIn {}
 
 fn act_code(a: Activation) -> i32 {
     match a {
@@ -711,10 +814,22 @@ impl Backend for Cuda {
     }
 
     fn rms_norm(&self, x: &mut DevAct, n: &Norm<'_, Self>) -> Result<()> {
-        let groups = x.len() / n.group.max(1);
-        let w = n.weight.map_or(0, |v| self.p(&v.dev));
-        launch!(&self.dev, "rms_norm", grid((groups as u32, 1), 256, 0);
-            self.w(x), n.group as i32, w, n.offset, n.eps)
+        let at = self.w(x);
+        self.norm_into(NormIo { x: at, add: 0, y: at, len: x.len() }, n)
+    }
+
+    fn normed(&self, x: &DevAct, n: &Norm<'_, Self>) -> Result<DevAct> {
+        let y = self.act(x.rows, x.cols)?;
+        self.norm_into(NormIo { x: self.p(&x.buf), add: 0, y: self.p(&y.buf), len: x.len() }, n)?;
+        Ok(y)
+    }
+
+    fn add_normed(&self, x: &mut DevAct, add: &DevAct, n: &Norm<'_, Self>) -> Result<DevAct> {
+        self.same_len(x, add, "a sum")?;
+        let y = self.act(x.rows, x.cols)?;
+        let io = NormIo { x: self.w(x), add: self.p(&add.buf), y: self.p(&y.buf), len: x.len() };
+        self.norm_into(io, n)?;
+        Ok(y)
     }
 
     fn add(&self, x: &mut DevAct, y: &DevAct) -> Result<()> {
@@ -859,20 +974,31 @@ impl Backend for Cuda {
     }
 
     fn rope(&self, x: &mut DevAct, head_dim: usize, batch: &Batch, rope: &RopeSpec) -> Result<()> {
-        let pairs = rope.inv_freq.iter().rposition(|&f| f != 0.0).map_or(0, |p| p + 1);
-        let total = x.rows * (x.cols / head_dim) * pairs;
+        let r = self.rope_args(batch, rope)?;
+        let total = x.rows * (x.cols / head_dim) * r.pairs as usize;
         if total == 0 {
             return Ok(());
         }
-        let positions: Vec<u32> = batch.positions.iter().map(|&p| p as u32).collect();
-        let (pos, freq) = (self.constant(&positions)?, self.constant(&rope.inv_freq)?);
-        let style = match rope.style {
-            RopeStyle::Half => 0i32,
-            RopeStyle::Interleaved => 1,
-        };
         launch!(&self.dev, "rope", elementwise(total);
-            self.w(x), x.cols as i32, head_dim as i32, pos, freq, pairs as i32, style,
-            rope.attention_factor, total as i64)
+            self.w(x), x.cols as i32, head_dim as i32, r.positions, r.inv_freq, r.pairs, r.style, r.factor,
+            total as i64)
+    }
+
+    fn norm_rope(&self, x: &mut DevAct, n: &Norm<'_, Self>, batch: &Batch, rope: &RopeSpec) -> Result<()> {
+        let (Some(weight), hd) = (n.weight, n.group) else {
+            self.rms_norm(x, n)?;
+            return self.rope(x, n.group, batch, rope);
+        };
+        if hd == 0 || x.cols % hd != 0 {
+            return Err(Error::Device(format!("cuda: heads of {hd} in rows of {} (internal error)", x.cols)));
+        }
+        if x.len() == 0 {
+            return Ok(());
+        }
+        let r = self.rope_args(batch, rope)?;
+        launch!(&self.dev, "norm_rope", grid(((x.cols / hd) as u32, x.rows as u32), 256, 0);
+            self.w(x), x.cols as i32, hd as i32, self.p(&weight.dev), n.offset, n.eps, r.positions, r.inv_freq,
+            r.pairs, r.style, r.factor)
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<DevAct> {

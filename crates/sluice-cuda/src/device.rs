@@ -546,6 +546,7 @@ fn kernel_names(unit: Unit) -> Vec<String> {
             "combine",
             "add_expert_bias",
             "rms_norm",
+            "norm_rope",
             "rope",
             "kv_write",
             "attention",

@@ -43,9 +43,14 @@ pub enum Pending<B: Backend> {
 }
 
 impl<'a, B: Backend> Cx<'a, B> {
+    /// The RMS norm over groups of `width` (whole rows, or heads) with weight `w`.
+    fn weighted<'w>(&self, w: &'w B::Vector, width: usize) -> Norm<'w, B> {
+        Norm { group: width, weight: Some(w), offset: self.norm_offset, eps: self.eps }
+    }
+
     /// RMS norm over groups of `width` (whole rows, or heads), with a weight.
     pub fn norm(&self, x: &mut B::Act, w: &B::Vector, width: usize) -> Result<()> {
-        self.be.rms_norm(x, &Norm { group: width, weight: Some(w), offset: self.norm_offset, eps: self.eps })
+        self.be.rms_norm(x, &self.weighted(w, width))
     }
 
     /// RMS norm over groups of `width` without a weight.
@@ -55,9 +60,13 @@ impl<'a, B: Backend> Cx<'a, B> {
 
     /// `norm(x)` as a new activation, `x` left as it is (a pre-norm block's input).
     pub fn normed(&self, x: &B::Act, w: &B::Vector, width: usize) -> Result<B::Act> {
-        let mut h = self.be.copy(x)?;
-        self.norm(&mut h, w, width)?;
-        Ok(h)
+        self.be.normed(x, &self.weighted(w, width))
+    }
+
+    /// `x += y`, then `norm(x)` as a new activation (the residual after a block, and
+    /// the next block's input).
+    pub fn add_normed(&self, x: &mut B::Act, y: &B::Act, w: &B::Vector, width: usize) -> Result<B::Act> {
+        self.be.add_normed(x, y, &self.weighted(w, width))
     }
 
     /// The rows of the token embedding table for this step's tokens, times `scale`.
@@ -173,10 +182,7 @@ impl<B: Backend> Attention<B> {
         if let Some(b) = &self.biases {
             be.add_row(&mut q, &b[0])?;
         }
-        if let Some(w) = &self.q_norm {
-            cx.norm(&mut q, w, hd)?;
-        }
-        rope_heads(cx, &mut q, s.n_heads, hd, &s.rope)?;
+        rope_heads(cx, &mut q, self.q_norm.as_ref(), s.n_heads, hd, &s.rope)?;
 
         if self.k.is_some() {
             let mut k = proj.next().expect("k");
@@ -193,13 +199,10 @@ impl<B: Backend> Attention<B> {
                 }
                 None => be.copy(&k)?,
             };
-            if let Some(w) = &self.k_norm {
-                cx.norm(&mut k, w, hd)?;
-            }
             if s.v_norm {
                 cx.norm_plain(&mut v, hd)?;
             }
-            rope_heads(cx, &mut k, s.n_kv_heads, hd, &s.rope)?;
+            rope_heads(cx, &mut k, self.k_norm.as_ref(), s.n_kv_heads, hd, &s.rope)?;
             cx.pending[self.layer] = Some(Pending::Kv(k, v));
         }
         let (Some(Pending::Kv(k, v)) | Some(Pending::IndexedKv(k, v, _))) = cx.pending[src].as_ref() else {
@@ -223,19 +226,27 @@ impl<B: Backend> Attention<B> {
     }
 }
 
-/// RoPE on each of `heads` heads of `x`: on the whole head, or where `rope` covers
-/// fewer dims (`2 * inv_freq.len()`, Qwen3.5's partial rotary) on those first dims
-/// alone, as their own heads (NeoX halves of the rotated dims).
+/// Each of `heads` heads of `x` RMS-normed with `norm` where given, then RoPE: on
+/// the whole head, or where `rope` covers fewer dims (`2 * inv_freq.len()`, Qwen3.5's
+/// partial rotary) on those first dims alone, as their own heads (NeoX halves of the
+/// rotated dims).
 pub(crate) fn rope_heads<B: Backend>(
     cx: &Cx<'_, B>,
     x: &mut B::Act,
+    norm: Option<&B::Vector>,
     heads: usize,
     hd: usize,
     rope: &RopeSpec,
 ) -> Result<()> {
     let (be, rot) = (cx.be, 2 * rope.inv_freq.len());
     if rot >= hd {
-        return be.rope(x, hd, cx.batch, rope);
+        return match norm {
+            Some(w) => be.norm_rope(x, &cx.weighted(w, hd), cx.batch, rope),
+            None => be.rope(x, hd, cx.batch, rope),
+        };
+    }
+    if let Some(w) = norm {
+        cx.norm(x, w, hd)?;
     }
     let mut r = be.zeros(be.n_rows(x), heads * rot)?;
     let first = HeadCols { heads, start: 0, len: rot };

@@ -12,7 +12,9 @@ use crate::blocks::{Cx, load_mat};
 
 /// What a router reads: a transform of the residual stream.
 pub enum RouterInput<B: Backend> {
-    /// The residual RMS-normed with this weight (the layer's FFN norm: Llama, Qwen).
+    /// The residual RMS-normed with this weight: the layer's FFN norm (Llama, Qwen,
+    /// gpt-oss, DeepSeek), so the experts' input itself, which [`Moe::forward`] routes
+    /// on; the weight serves the pilot's probe, which routes a residual.
     Norm(B::Vector),
     /// Gemma 4: the residual RMS-normed without a weight, times a learned `scale`,
     /// times `factor` (hidden^-0.5).
@@ -63,25 +65,39 @@ impl<B: Backend> Moe<B> {
 
     /// Routes every row of the residual `x`.
     pub fn route(&self, cx: &mut Cx<'_, B>, x: &B::Act) -> Result<B::Routing> {
+        self.route_from(cx, x, None)
+    }
+
+    /// [`Moe::route`], given the experts' input `h` where the caller has it: a `Norm`
+    /// router reads exactly that (its weight is the experts' norm, on the same
+    /// residual), so it is not normed a second time.
+    fn route_from(&self, cx: &mut Cx<'_, B>, x: &B::Act, h: Option<&B::Act>) -> Result<B::Routing> {
         let be = cx.be;
-        let mut r = be.copy(x)?;
-        match &self.input {
-            RouterInput::Norm(w) => cx.norm(&mut r, w, self.hidden)?,
-            RouterInput::ScaledNorm { scale, factor } => {
+        let made;
+        let r = match (&self.input, h) {
+            (RouterInput::Norm(_), Some(h)) => h,
+            (RouterInput::Plain, _) => x,
+            (RouterInput::Norm(w), None) => {
+                made = cx.normed(x, w, self.hidden)?;
+                &made
+            }
+            (RouterInput::ScaledNorm { scale, factor }, _) => {
+                let mut r = be.copy(x)?;
                 cx.norm_plain(&mut r, self.hidden)?;
                 be.mul_row(&mut r, scale)?;
                 be.scale(&mut r, *factor)?;
+                made = r;
+                &made
             }
-            RouterInput::Plain => {}
-        }
-        cx.timers.time(|t| &mut t.router, || be.route(&be.matmul(&r, &self.router)?, &self.op))
+        };
+        cx.timers.time(|t| &mut t.router, || be.route(&be.matmul(r, &self.router)?, &self.op))
     }
 
     /// The experts' weighted sum for every row: the router reads the residual `x`,
     /// the experts take `h`. The experts are fetched once for the union of the
     /// batch's choices.
     pub fn forward(&self, cx: &mut Cx<'_, B>, x: &B::Act, h: &B::Act) -> Result<B::Act> {
-        let routing = self.route(cx, x)?;
+        let routing = self.route_from(cx, x, Some(h))?;
         if cx.pilot.is_some() {
             let chosen = unique(&cx.be.routing_ids(&routing)?);
             cx.observe(self.layer, &chosen);

@@ -168,6 +168,20 @@ pub trait Backend: Send + Sync + Sized + 'static {
         ws.iter().map(|w| self.matmul(x, w)).collect()
     }
     fn rms_norm(&self, x: &mut Self::Act, norm: &Norm<'_, Self>) -> Result<()>;
+    /// `norm(x)` as a new activation, `x` left as it is (a pre-norm block's input).
+    /// The fused forms here and below exist for a device backend, where every launch
+    /// has a cost of its own; each must give the bits of its parts run one by one.
+    fn normed(&self, x: &Self::Act, norm: &Norm<'_, Self>) -> Result<Self::Act> {
+        let mut h = self.copy(x)?;
+        self.rms_norm(&mut h, norm)?;
+        Ok(h)
+    }
+    /// `x += y`, then `norm(x)` as a new activation: a residual's sum and the next
+    /// block's input.
+    fn add_normed(&self, x: &mut Self::Act, y: &Self::Act, norm: &Norm<'_, Self>) -> Result<Self::Act> {
+        self.add(x, y)?;
+        self.normed(x, norm)
+    }
     fn add(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
     fn mul(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
     fn scale(&self, x: &mut Self::Act, s: f32) -> Result<()>;
@@ -189,6 +203,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn softcap(&self, x: &mut Self::Act, cap: f32) -> Result<()>;
     /// RoPE on whole heads; row `i` is at `batch.positions[i]`.
     fn rope(&self, x: &mut Self::Act, head_dim: usize, batch: &Batch, rope: &RopeSpec) -> Result<()>;
+    /// `norm` over each head (`norm.group` is the head's width), then RoPE on whole
+    /// heads: a query's or key's per-head norm and rotation.
+    fn norm_rope(&self, x: &mut Self::Act, norm: &Norm<'_, Self>, batch: &Batch, rope: &RopeSpec) -> Result<()> {
+        self.rms_norm(x, norm)?;
+        self.rope(x, norm.group, batch, rope)
+    }
     fn zeros(&self, rows: usize, cols: usize) -> Result<Self::Act>;
     /// `[rows, cols]` from the host's `data` (row-major).
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Act>;

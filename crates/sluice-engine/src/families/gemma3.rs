@@ -43,8 +43,7 @@ impl<B: Backend> Block<B> for Layer<B> {
         let a = cx.normed(x, &self.attn_norm, h)?;
         let mut a = self.attn.forward(cx, &a)?;
         cx.norm(&mut a, &self.attn_post_norm, h)?;
-        cx.be.add(x, &a)?;
-        let f = cx.normed(x, &self.ffn_norm, h)?;
+        let f = cx.add_normed(x, &a, &self.ffn_norm, h)?;
         let mut f = self.mlp.forward(cx, &f)?;
         cx.norm(&mut f, &self.ffn_post_norm, h)?;
         cx.be.add(x, &f)

@@ -126,9 +126,8 @@ impl<B: Backend> Layer<B> {
         let a = cx.normed(x, &self.attn_norm, h)?;
         let mut a = self.attn.forward(cx, &a)?;
         cx.norm(&mut a, &self.attn_post_norm, h)?;
-        cx.be.add(x, &a)?;
 
-        let f = cx.normed(x, &self.ffn_norm, h)?;
+        let f = cx.add_normed(x, &a, &self.ffn_norm, h)?;
         let mut f = self.mlp.forward(cx, &f)?;
         if let Some(e) = &self.experts {
             cx.norm(&mut f, &e.post_norm_1, h)?;

@@ -50,8 +50,7 @@ impl<B: Backend> Block<B> for Layer<B> {
     fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, h: usize) -> Result<()> {
         let a = cx.normed(x, &self.attn_norm, h)?;
         let a = self.attn.forward(cx, &a)?;
-        cx.be.add(x, &a)?;
-        let f = cx.normed(x, &self.ffn_norm, h)?;
+        let f = cx.add_normed(x, &a, &self.ffn_norm, h)?;
         let f = self.experts.forward(cx, x, &f)?;
         cx.be.add(x, &f)
     }

@@ -98,8 +98,7 @@ impl<B: Backend> Block<B> for Layer<B> {
             Mixer::Linear(d) => d.forward(cx, &a)?,
             Mixer::Full(att) => att.forward(cx, &a)?,
         };
-        cx.be.add(x, &a)?;
-        let f = cx.normed(x, &self.ffn_norm, h)?;
+        let f = cx.add_normed(x, &a, &self.ffn_norm, h)?;
         let mut y = self.experts.forward(cx, x, &f)?;
         if let Some(s) = &self.shared {
             let mut z = s.mlp.forward(cx, &f)?;

@@ -388,8 +388,7 @@ impl<B: Backend> Indexer<B> {
         let IndexerSpec { heads, head_dim: d, budget, block } = self.spec;
         let qk = be.matmul(x, &self.qk)?;
         let mut q = be.columns(&qk, 0, heads * d)?;
-        cx.norm(&mut q, &self.q_norm, d)?;
-        rope_heads(cx, &mut q, heads, d, &self.rope)?;
+        rope_heads(cx, &mut q, Some(&self.q_norm), heads, d, &self.rope)?;
         let q = be.to_host(&q)?;
         let keys = be.to_host(&be.columns(&qk, heads * d, d)?)?;
         let top = budget / block;
