@@ -4,6 +4,12 @@
 #
 #   devbin/gpu-tests   cargo test -p sluice-cuda --no-run's test binary, stripped
 #   devbin/sluice      the release CLI, stripped (optional: the speed part)
+#   devbin/models/     real models in parts under the carry limit (optional; below)
+#
+# The working tree takes about 30 MB of a call's 64 MiB, so the binaries travel as one
+# archive (tar czf devbin/bins.tgz ..., about 22 MB; unpack with tar xzf first) and a
+# real model in parts of at most 33 MB, one call each while the machine stays warm
+# (split -b 33000000, renamed NAME.part1, .part2, ...).
 set -uo pipefail
 export SLUICE_REPO="$PWD"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true

@@ -516,12 +516,17 @@ impl Cuda {
             launch!(&self.dev, &name, cfg; w.ptr, w.row_bytes as i64, w.rows as i32, qin, self.p(&y.buf))?;
             return Ok(y);
         }
-        let ro = self.outputs_per_block(x.rows);
+        let ro = outputs_per_block(x.rows);
         let cfg = grid((w.rows.div_ceil(ro) as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
-        let name = format!("mm_{}", format_suffix(w.dtype));
-        launch!(&self.dev, &name, cfg;
-            w.ptr, w.row_bytes as i64, w.rows as i32, w.cols as i32, self.p(&x.buf), x.rows as i32, ro as i32,
-            self.p(&y.buf))?;
+        let args = (w.ptr, w.row_bytes as i64, w.rows as i32, w.cols as i32, self.p(&x.buf), x.rows as i32);
+        if ro > 1 {
+            let name = format!("mmo_{}", format_suffix(w.dtype));
+            launch!(&self.dev, &name, cfg; args.0, args.1, args.2, args.3, args.4, args.5, ro as i32,
+                self.p(&y.buf))?;
+        } else {
+            let name = format!("mm_{}", format_suffix(w.dtype));
+            launch!(&self.dev, &name, cfg; args.0, args.1, args.2, args.3, args.4, args.5, self.p(&y.buf))?;
+        }
         Ok(y)
     }
 
@@ -538,28 +543,6 @@ impl Cuda {
 
     fn desc(&self, m: &DevMat) -> MatDesc {
         MatDesc { dtype: m.dtype, rows: m.rows, cols: m.cols, row_bytes: m.row_bytes, ptr: self.p(&m.buf) }
-    }
-
-    /// Outputs one block of a product computes at once for `rows` input rows
-    /// (kernels.cu's `mm_block`: 1, 2 or 4). Every output has the same bits for any
-    /// choice, so this is a matter of speed alone.
-    fn outputs_per_block(&self, rows: usize) -> usize {
-        // EXPERIMENT: SLUICE_CUDA_OUT_ROWS="a,b" for one and two rows.
-        static CHOICE: OnceLock<[usize; 2]> = OnceLock::new();
-        let c = CHOICE.get_or_init(|| {
-            let v: Vec<usize> = std::env::var("SLUICE_CUDA_OUT_ROWS")
-                .unwrap_or_default()
-                .split(',')
-                .filter_map(|t| t.trim().parse().ok())
-                .filter(|n| [1, 2, 4].contains(n))
-                .collect();
-            if v.len() == 2 { [v[0], v[1].min(2)] } else { [4, 2] }
-        });
-        match rows {
-            1 => c[0],
-            2 => c[1],
-            _ => 1,
-        }
     }
 
     /// The `rms_norm` kernel over `io.len` elements in groups of `n.group`.
@@ -630,7 +613,7 @@ impl Cuda {
         // rows themselves, whose step rows are `rows`).
         // A work item has at most as many rows as the step has (each row chooses an
         // expert once).
-        let ro = self.outputs_per_block(j / k);
+        let ro = outputs_per_block(j / k);
         // `yrow` likewise: where each compact row's output goes (null: row itself).
         let grouped = |ws: &CudaSlice<u64>, m: &DevMat, input: &DevAct, xrow: u64, y: &DevAct, yrow: u64| {
             if self.products.integer(m.dtype) {
@@ -642,10 +625,16 @@ impl Cuda {
                     self.p(ws), m.row_bytes as i64, m.rows as i32, qin, xrow, self.p(&work), self.p(&y.buf), yrow);
             }
             let cfg = grid((m.rows.div_ceil(ro) as u32, n_work as u32), 128, 0);
+            let (ws, input) = (self.p(ws), self.p(&input.buf));
+            if ro > 1 {
+                let name = format!("mmgo_{}", format_suffix(m.dtype));
+                return launch!(&self.dev, &name, cfg;
+                    ws, m.row_bytes as i64, m.rows as i32, m.cols as i32, input, xrow, self.p(&work), ro as i32,
+                    self.p(&y.buf), yrow);
+            }
             let name = format!("mmg_{}", format_suffix(m.dtype));
             launch!(&self.dev, &name, cfg;
-                self.p(ws), m.row_bytes as i64, m.rows as i32, m.cols as i32, self.p(&input.buf), xrow,
-                self.p(&work), ro as i32, self.p(&y.buf), yrow)
+                ws, m.row_bytes as i64, m.rows as i32, m.cols as i32, input, xrow, self.p(&work), self.p(&y.buf), yrow)
         };
         let (inter, hidden) = (shape.gate.rows, shape.down.rows);
         let (mut g, mut u) = (self.act(j, inter)?, self.act(j, inter)?);
@@ -672,6 +661,20 @@ impl Cuda {
         let n = d.len();
         launch!(&self.dev, "scatter_rows", elementwise(n);
             self.p(&d.buf), self.p(&slots), hidden as i32, self.p(&per_slot.buf), n as i64)
+    }
+}
+
+/// Outputs one block of a product computes for `rows` input rows (the step's rows;
+/// a grouped product's work items have no more): 4 for one row, 2 for two, else 1
+/// (kernels.cu's `mm_block_outputs` and `mm_block`). Every output has the same bits
+/// for any choice, so this is speed alone: on an H100, decode of the Qwen3-30B-A3B
+/// geometry 135-142 tok/s with (4, 2), 126 with (2, 2), 104 with (1, 1), and the lm
+/// head's product 204, 256 and 398 us (scripts/device-notes.md).
+fn outputs_per_block(rows: usize) -> usize {
+    match rows {
+        1 => 4,
+        2 => 2,
+        _ => 1,
     }
 }
 

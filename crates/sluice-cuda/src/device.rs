@@ -61,7 +61,8 @@ pub enum Unit {
 impl Unit {
     /// The unit that holds kernel `name`.
     fn of(name: &str) -> Unit {
-        let format = ["mmgq_", "mmq_", "mmg_", "mm_", "embed_"].iter().find_map(|p| name.strip_prefix(p));
+        let format =
+            ["mmgq_", "mmq_", "mmgo_", "mmo_", "mmg_", "mm_", "embed_"].iter().find_map(|p| name.strip_prefix(p));
         format
             .and_then(|f| DType::ALL.iter().find(|&&d| format_suffix(d) == f))
             .map_or(Unit::Common, |&d| Unit::Format(d))
@@ -527,7 +528,11 @@ fn kernel_names(unit: Unit) -> Vec<String> {
             // The integer products exist for the K-quants only (kernels.cu).
             let integer: &[&str] =
                 if matches!(d, DType::Q4K | DType::Q5K | DType::Q6K) { &["mmq", "mmgq"] } else { &[] };
-            return ["mm", "mmg", "embed"].iter().chain(integer).map(|k| format!("{k}_{}", format_suffix(d))).collect();
+            return ["mm", "mmo", "mmg", "mmgo", "embed"]
+                .iter()
+                .chain(integer)
+                .map(|k| format!("{k}_{}", format_suffix(d)))
+                .collect();
         }
         Unit::Common => [
             "add",

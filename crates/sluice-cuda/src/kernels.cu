@@ -304,60 +304,69 @@ __device__ __forceinline__ void block_sums(const float* acc, int nr, Y store) {
     }
 }
 
-// The shared body of the products: the block computes outputs o0..o0 + ro (`row[j]`
-// the weight row of output o0 + j) of up to MM_ROWS input rows; warp w takes every
-// fourth run of 128 elements, each lane four consecutive elements of a run
-// (coalesced reads of weights and inputs alike; the K-quants every fourth run of
-// 256, see rows_loop). `X` gives input row r's address, `Y` stores output j of row
-// r. Several outputs at once (ro 2 or 4, for one or two input rows: decode) load
-// each input once for all; other cases take the outputs one after another. Every
-// thread of the block calls it.
+// The shared body of the products: the block computes output `o` (weight row
+// `row`) of up to MM_ROWS input rows; warp w takes every fourth run of 128
+// elements, each lane four consecutive elements of a run (coalesced reads of
+// weights and inputs alike; the K-quants every fourth run of 256, see rows_loop).
+// `X` gives input row r's address, `Y` stores output j of row r. Every thread of
+// the block calls it.
 template <int F, class X, class Y>
-__device__ __forceinline__ void mm_block(const u8* const* row, int ro, int cols, int nr, X xrow, Y store) {
-    float acc[4 * MM_ROWS];
+__device__ __forceinline__ void mm_block(const u8* row, int cols, int nr, X xrow, Y store) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float acc[MM_ROWS];
+#pragma unroll
+    for (int r = 0; r < MM_ROWS; r++) acc[r] = 0.0f;
     bool vec = (cols & 3) == 0;
     // Whole runs of four (every format but a plain one of odd length): the loop for
     // a fixed number of rows, without a test per row. nr between the sizes computes
     // its last row again in the spare ones; each row's sum is the same expression in
     // every case, so a row's bits do not depend on the rows beside it.
-    if (vec && ro == 4 && nr == 1) {
-        rows_loop<F, 1, 4>(row, cols, nr, xrow, acc);
-        block_sums<4>(acc, nr, store);
-        return;
-    }
-    if (vec && ro == 2 && nr <= 2) {
-        if (nr == 1) rows_loop<F, 1, 2>(row, cols, nr, xrow, acc);
-        else rows_loop<F, 2, 2>(row, cols, nr, xrow, acc);
-        block_sums<2>(acc, nr, store);
-        return;
-    }
-    for (int j = 0; j < ro; j++) {
-        if (j > 0) __syncthreads();  // block_sums' shared sums, read before written again
-        const u8* const* rj = row + j;
-        if (vec) {
-            if (nr == 1) rows_loop<F, 1, 1>(rj, cols, nr, xrow, acc);
-            else if (nr == 2) rows_loop<F, 2, 1>(rj, cols, nr, xrow, acc);
-            else if (nr <= 4) rows_loop<F, 4, 1>(rj, cols, nr, xrow, acc);
-            else rows_loop<F, 8, 1>(rj, cols, nr, xrow, acc);
-        } else {
-            int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (vec) {
+        if (nr == 1) rows_loop<F, 1, 1>(&row, cols, nr, xrow, acc);
+        else if (nr == 2) rows_loop<F, 2, 1>(&row, cols, nr, xrow, acc);
+        else if (nr <= 4) rows_loop<F, 4, 1>(&row, cols, nr, xrow, acc);
+        else rows_loop<F, 8, 1>(&row, cols, nr, xrow, acc);
+    } else {
+        for (int e = 4 * lane + 128 * warp; e < cols; e += 128 * MM_WARPS) {
+            float w[4];
+            deq4<F>(row, e, cols, w);
 #pragma unroll
-            for (int r = 0; r < MM_ROWS; r++) acc[r] = 0.0f;
-            for (int e = 4 * lane + 128 * warp; e < cols; e += 128 * MM_WARPS) {
-                float w[4];
-                deq4<F>(*rj, e, cols, w);
-#pragma unroll
-                for (int r = 0; r < MM_ROWS; r++) {
-                    if (r < nr) {
-                        const float* xr = xrow(r) + e;
-                        float s = 0.0f;
-                        for (int k = 0; k < 4 && e + k < cols; k++) s += w[k] * xr[k];
-                        acc[r] += s;
-                    }
+            for (int r = 0; r < MM_ROWS; r++) {
+                if (r < nr) {
+                    const float* xr = xrow(r) + e;
+                    float s = 0.0f;
+                    for (int k = 0; k < 4 && e + k < cols; k++) s += w[k] * xr[k];
+                    acc[r] += s;
                 }
             }
         }
-        block_sums<1>(acc, nr, [&](int, int r, float s) { store(j, r, s); });
+    }
+    block_sums<1>(acc, nr, store);
+}
+
+// mm_block over several outputs at once, for decode rows: `ro` (2 or 4) weight
+// rows `row[j]` against each input once, four outputs of one input row at a time or
+// two of up to two rows, so the inputs are loaded once for all of them. Each output
+// is the same expression as in mm_block, so its bits are those mm_block gives. A
+// kernel of its own: mm_block's kernels keep their registers (and prompts their
+// speed).
+template <int F, class X, class Y>
+__device__ __forceinline__ void mm_block_outputs(const u8* const* row, int ro, int cols, int nr, X xrow, Y store) {
+    float acc[8];
+    int step = ro == 4 ? 1 : 2;
+    for (int r0 = 0; r0 < nr; r0 += step) {
+        if (r0 > 0) __syncthreads();  // block_sums' shared sums, read before written again
+        int n = min(step, nr - r0);
+        auto x = [&](int r) { return xrow(r0 + r); };
+        auto y = [&](int j, int r, float s) { store(j, r0 + r, s); };
+        if (ro == 4) {
+            rows_loop<F, 1, 4>(row, cols, n, x, acc);
+            block_sums<4>(acc, n, y);
+        } else {
+            if (n == 1) rows_loop<F, 1, 2>(row, cols, n, x, acc);
+            else rows_loop<F, 2, 2>(row, cols, n, x, acc);
+            block_sums<2>(acc, n, y);
+        }
     }
 }
 
@@ -384,16 +393,25 @@ struct DenseY {
     }
 };
 
-// y[r, o] = x[r, :] · W[o, :] for r < n, o < out. Grid (ceil(out / ro), ceil(n /
-// MM_ROWS)), block 32 * MM_WARPS. Each block reads its weight rows once per MM_ROWS
-// input rows.
+// y[r, o] = x[r, :] · W[o, :] for r < n, o < out. Grid (out, ceil(n / MM_ROWS)),
+// block 32 * MM_WARPS. Each block reads its weight row once per MM_ROWS input rows.
 template <int F>
-__device__ void mm(const u8* w, long long row_bytes, int out, int cols, const float* x, int n, int ro, float* y) {
+__device__ void mm(const u8* w, long long row_bytes, int out, int cols, const float* x, int n, float* y) {
+    int o = blockIdx.x;
+    int r0 = blockIdx.y * MM_ROWS;
+    mm_block<F>(w + (long long)o * row_bytes, cols, min(MM_ROWS, n - r0), DenseX{x, cols, r0}, DenseY{y, out, o, r0});
+}
+
+// mm with `ro` outputs a block (mm_block_outputs). Grid (ceil(out / ro), ceil(n /
+// MM_ROWS)).
+template <int F>
+__device__ void mm_outputs(const u8* w, long long row_bytes, int out, int cols, const float* x, int n, int ro,
+                           float* y) {
     int o = blockIdx.x * ro;
     int r0 = blockIdx.y * MM_ROWS;
     const u8* row[4];
     out_rows(w, row_bytes, o, ro, out, row);
-    mm_block<F>(row, ro, cols, min(MM_ROWS, n - r0), DenseX{x, cols, r0}, DenseY{y, out, o, r0});
+    mm_block_outputs<F>(row, ro, cols, min(MM_ROWS, n - r0), DenseX{x, cols, r0}, DenseY{y, out, o, r0});
 }
 
 // A grouped product's unit of work: compact rows start..start + n (n <= MM_ROWS) of
@@ -429,16 +447,29 @@ struct ScatterY {
 
 // Every routed expert of a layer in one launch: for each work item, y[yrow[j]] =
 // W_e · x[xrow[j]] over its compact rows j (an index array may be null: j itself).
-// Grid (ceil(out / ro), items).
+// Grid (out, items).
 template <int F>
 __device__ void mm_grouped(const unsigned long long* ws, long long row_bytes, int out, int cols, const float* x,
-                           const u32* xrow, const Work* work, int ro, float* y, const u32* yrow) {
+                           const u32* xrow, const Work* work, float* y, const u32* yrow) {
+    int o = blockIdx.x;
+    Work it = work[blockIdx.y];
+    if (it.n == 0) return;
+    const u8* row = (const u8*)ws[it.expert] + (long long)o * row_bytes;
+    mm_block<F>(row, cols, it.n, GatherX{x, xrow, cols, it.start}, ScatterY{y, yrow, out, o, it.start});
+}
+
+// mm_grouped with `ro` outputs a block (mm_block_outputs). Grid (ceil(out / ro),
+// items).
+template <int F>
+__device__ void mm_grouped_outputs(const unsigned long long* ws, long long row_bytes, int out, int cols,
+                                   const float* x, const u32* xrow, const Work* work, int ro, float* y,
+                                   const u32* yrow) {
     int o = blockIdx.x * ro;
     Work it = work[blockIdx.y];
     if (it.n == 0) return;
     const u8* row[4];
     out_rows((const u8*)ws[it.expert], row_bytes, o, ro, out, row);
-    mm_block<F>(row, ro, cols, it.n, GatherX{x, xrow, cols, it.start}, ScatterY{y, yrow, out, o, it.start});
+    mm_block_outputs<F>(row, ro, cols, it.n, GatherX{x, xrow, cols, it.start}, ScatterY{y, yrow, out, o, it.start});
 }
 
 // ---- Integer products: K-quant weights against quantized activations ----
@@ -635,19 +666,28 @@ __device__ void embed(const u8* w, long long row_bytes, int cols, const u32* tok
 #ifdef SLUICE_FORMAT
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
-#define FORMAT_KERNELS(F, name)                                                                         \
+#define FORMAT_KERNELS(F, name)                                                                              \
     extern "C" __global__ void CAT(mmg_, name)(const unsigned long long* ws, long long row_bytes, int out, int cols, \
-                                          const float* x, const u32* xrow, const Work* work, int ro, float* y, \
-                                          const u32* yrow) {                                                  \
-        mm_grouped<F>(ws, row_bytes, out, cols, x, xrow, work, ro, y, yrow);                                  \
-    }                                                                                                         \
-    extern "C" __global__ void CAT(mm_, name)(const u8* w, long long row_bytes, int out, int cols,           \
-                                         const float* x, int n, int ro, float* y) {                     \
-        mm<F>(w, row_bytes, out, cols, x, n, ro, y);                                                    \
-    }                                                                                                   \
-    extern "C" __global__ void CAT(embed_, name)(const u8* w, long long row_bytes, int cols, const u32* tok, \
-                                            float scale, float* out) {                                  \
-        embed<F>(w, row_bytes, cols, tok, scale, out);                                                  \
+                                               const float* x, const u32* xrow, const Work* work, float* y,    \
+                                               const u32* yrow) {                                              \
+        mm_grouped<F>(ws, row_bytes, out, cols, x, xrow, work, y, yrow);                                       \
+    }                                                                                                          \
+    extern "C" __global__ void CAT(mmgo_, name)(const unsigned long long* ws, long long row_bytes, int out,     \
+                                                int cols, const float* x, const u32* xrow, const Work* work,   \
+                                                int ro, float* y, const u32* yrow) {                           \
+        mm_grouped_outputs<F>(ws, row_bytes, out, cols, x, xrow, work, ro, y, yrow);                           \
+    }                                                                                                          \
+    extern "C" __global__ void CAT(mm_, name)(const u8* w, long long row_bytes, int out, int cols,             \
+                                              const float* x, int n, float* y) {                               \
+        mm<F>(w, row_bytes, out, cols, x, n, y);                                                               \
+    }                                                                                                          \
+    extern "C" __global__ void CAT(mmo_, name)(const u8* w, long long row_bytes, int out, int cols,            \
+                                               const float* x, int n, int ro, float* y) {                      \
+        mm_outputs<F>(w, row_bytes, out, cols, x, n, ro, y);                                                   \
+    }                                                                                                          \
+    extern "C" __global__ void CAT(embed_, name)(const u8* w, long long row_bytes, int cols, const u32* tok,   \
+                                                 float scale, float* out) {                                    \
+        embed<F>(w, row_bytes, cols, tok, scale, out);                                                         \
     }
 
 FORMAT_KERNELS(SLUICE_FORMAT, SLUICE_FORMAT_NAME)
@@ -864,8 +904,10 @@ __device__ __forceinline__ void rope_pair(float* x1, float* x2, u32 pos, float i
     float a = (float)pos * inv_freq;
     float c = cosf(a) * factor, s = sinf(a) * factor;
     float u = *x1, v = *x2;
-    *x1 = u * c - v * s;
-    *x2 = v * c + u * s;
+    // Which product a multiply-add takes is written out, so that every kernel
+    // rotating a pair (rope, norm_rope) gives the same bits.
+    *x1 = __fmaf_rn(u, c, -__fmul_rn(v, s));
+    *x2 = __fmaf_rn(v, c, __fmul_rn(u, s));
 }
 
 // Element indices of RoPE's pair p in a head of hd: style 0 p with p + hd/2 (NeoX
@@ -995,38 +1037,13 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
     float acc[ATT_DIMS];
 #pragma unroll
     for (int i = 0; i < ATT_DIMS; i++) acc[i] = 0.0f;
-    // The key and value of position t, this lane's dimensions (lane + 32 i) of them.
-    float kn[ATT_DIMS], vn[ATT_DIMS];
-    auto fetch = [&](int t) {
+    for (int t = t0 + warp; t < t1; t += ATT_WARPS) {
         int j = m.sel >= 0 ? (int)sel[m.sel + t] : lo + t;
         long long at = j < m.start ? (long long)(rg > 0 ? j % rg : j) * kv_dim : -1;
         const float* kr = (at >= 0 ? kcache + at : k_new + (long long)(m.first + j - m.start) * kv_dim) + kvh * hd;
         const float* vr = (at >= 0 ? vcache + at : v_new + (long long)(m.first + j - m.start) * kv_dim) + kvh * hd;
-#pragma unroll
-        for (int i = 0; i < ATT_DIMS; i++) {
-            int d = lane + 32 * i;
-            kn[i] = d < hd ? kr[d] : 0.0f;
-            vn[i] = d < hd ? vr[d] : 0.0f;
-        }
-    };
-    // Each position's key and value are loaded while the one before is summed (a
-    // warp's positions are a chain through the running maximum, and each waited on
-    // its own loads: 23 us a decode layer over 512 positions on an H100).
-    if (t0 + warp < t1) fetch(t0 + warp);
-    for (int t = t0 + warp; t < t1; t += ATT_WARPS) {
-        float kr[ATT_DIMS], vr[ATT_DIMS];
-#pragma unroll
-        for (int i = 0; i < ATT_DIMS; i++) {
-            kr[i] = kn[i];
-            vr[i] = vn[i];
-        }
-        if (t + ATT_WARPS < t1) fetch(t + ATT_WARPS);
         float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < ATT_DIMS; i++) {
-            int d = lane + 32 * i;
-            if (d < hd) s += qs[d] * kr[i];
-        }
+        for (int d = lane; d < hd; d += 32) s += qs[d] * kr[d];
         for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
         s *= scale;
         if (cap > 0.0f) s = tanhf(s / cap) * cap;
@@ -1036,7 +1053,7 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
 #pragma unroll
         for (int i = 0; i < ATT_DIMS; i++) {
             int d = lane + 32 * i;
-            if (d < hd) acc[i] = acc[i] * c + p * vr[i];
+            if (d < hd) acc[i] = acc[i] * c + p * vr[d];
         }
         mx = mn;
     }
