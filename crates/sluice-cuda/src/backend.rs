@@ -681,8 +681,6 @@ fn outputs_per_block(rows: usize) -> usize {
 /// Input rows per pass of a product over the weights (`MM_ROWS` in kernels.cu).
 const MM_ROWS: usize = 8;
 
-/// What a product needs of a weight matrix on the device.
-#[derive(Clone, Copy)]
 /// The addresses an `rms_norm` launch reads and writes: `x` (of `len` elements),
 /// `add` (0: none) summed into it first, the result to `y` (which may be `x`).
 struct NormIo {
@@ -701,6 +699,8 @@ struct RopeArgs {
     factor: f32,
 }
 
+/// What a product needs of a weight matrix on the device.
+#[derive(Clone, Copy)]
 struct MatDesc {
     dtype: sluice_core::DType,
     rows: usize,
