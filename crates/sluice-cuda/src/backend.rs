@@ -516,7 +516,7 @@ impl Cuda {
             launch!(&self.dev, &name, cfg; w.ptr, w.row_bytes as i64, w.rows as i32, qin, self.p(&y.buf))?;
             return Ok(y);
         }
-        let ro = outputs_per_block(x.rows);
+        let ro = outputs_per_block(x.rows, w.cols);
         let cfg = grid((w.rows.div_ceil(ro) as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
         let args = (w.ptr, w.row_bytes as i64, w.rows as i32, w.cols as i32, self.p(&x.buf), x.rows as i32);
         if ro > 1 {
@@ -613,7 +613,7 @@ impl Cuda {
         // rows themselves, whose step rows are `rows`).
         // A work item has at most as many rows as the step has (each row chooses an
         // expert once).
-        let ro = outputs_per_block(j / k);
+        let step_rows = j / k;
         // `yrow` likewise: where each compact row's output goes (null: row itself).
         let grouped = |ws: &CudaSlice<u64>, m: &DevMat, input: &DevAct, xrow: u64, y: &DevAct, yrow: u64| {
             if self.products.integer(m.dtype) {
@@ -624,6 +624,7 @@ impl Cuda {
                 return launch!(&self.dev, &name, cfg;
                     self.p(ws), m.row_bytes as i64, m.rows as i32, qin, xrow, self.p(&work), self.p(&y.buf), yrow);
             }
+            let ro = outputs_per_block(step_rows, m.cols);
             let cfg = grid((m.rows.div_ceil(ro) as u32, n_work as u32), 128, 0);
             let (ws, input) = (self.p(ws), self.p(&input.buf));
             if ro > 1 {
@@ -665,13 +666,15 @@ impl Cuda {
 }
 
 /// Outputs one block of a product computes for `rows` input rows (the step's rows;
-/// a grouped product's work items have no more): 4 for one row, 2 for two, else 1
-/// (kernels.cu's `mm_block_outputs` and `mm_block`). Every output has the same bits
-/// for any choice, so this is speed alone: on an H100, decode of the Qwen3-30B-A3B
-/// geometry 135-142 tok/s with (4, 2), 126 with (2, 2), 104 with (1, 1), and the lm
-/// head's product 204, 256 and 398 us (scripts/device-notes.md).
-fn outputs_per_block(rows: usize) -> usize {
+/// a grouped product's work items have no more) of `cols` columns: 4 for one row, 2
+/// for two, else 1 (kernels.cu's `mm_block_outputs` and `mm_block`); 1 where rows are
+/// not whole runs of four columns, which only `mm_block` takes. Every output has the
+/// same bits for any choice, so this is speed alone: on an H100, decode of the
+/// Qwen3-30B-A3B geometry 135-142 tok/s with (4, 2), 126 with (2, 2), 104 with (1, 1),
+/// and the lm head's product 204, 256 and 398 us (scripts/device-notes.md).
+fn outputs_per_block(rows: usize, cols: usize) -> usize {
     match rows {
+        _ if cols % 4 != 0 => 1,
         1 => 4,
         2 => 2,
         _ => 1,
