@@ -518,14 +518,14 @@ impl Cuda {
         }
         let ro = outputs_per_block(x.rows, w.cols);
         let cfg = grid((w.rows.div_ceil(ro) as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
-        let args = (w.ptr, w.row_bytes as i64, w.rows as i32, w.cols as i32, self.p(&x.buf), x.rows as i32);
+        let (row_bytes, out, cols, rows) = (w.row_bytes as i64, w.rows as i32, w.cols as i32, x.rows as i32);
+        let (input, y_at) = (self.p(&x.buf), self.p(&y.buf));
         if ro > 1 {
             let name = format!("mmo_{}", format_suffix(w.dtype));
-            launch!(&self.dev, &name, cfg; args.0, args.1, args.2, args.3, args.4, args.5, ro as i32,
-                self.p(&y.buf))?;
+            launch!(&self.dev, &name, cfg; w.ptr, row_bytes, out, cols, input, rows, ro as i32, y_at)?;
         } else {
             let name = format!("mm_{}", format_suffix(w.dtype));
-            launch!(&self.dev, &name, cfg; args.0, args.1, args.2, args.3, args.4, args.5, self.p(&y.buf))?;
+            launch!(&self.dev, &name, cfg; w.ptr, row_bytes, out, cols, input, rows, y_at)?;
         }
         Ok(y)
     }

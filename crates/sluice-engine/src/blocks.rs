@@ -53,9 +53,14 @@ impl<'a, B: Backend> Cx<'a, B> {
         self.be.rms_norm(x, &self.weighted(w, width))
     }
 
+    /// The RMS norm over groups of `width` without a weight.
+    pub(crate) fn plain(&self, width: usize) -> Norm<'static, B> {
+        Norm { group: width, weight: None, offset: 0.0, eps: self.eps }
+    }
+
     /// RMS norm over groups of `width` without a weight.
     pub fn norm_plain(&self, x: &mut B::Act, width: usize) -> Result<()> {
-        self.be.rms_norm(x, &Norm { group: width, weight: None, offset: 0.0, eps: self.eps })
+        self.be.rms_norm(x, &self.plain(width))
     }
 
     /// `norm(x)` as a new activation, `x` left as it is (a pre-norm block's input).

@@ -82,8 +82,7 @@ impl<B: Backend> Moe<B> {
                 &made
             }
             (RouterInput::ScaledNorm { scale, factor }, _) => {
-                let mut r = be.copy(x)?;
-                cx.norm_plain(&mut r, self.hidden)?;
+                let mut r = be.normed(x, &cx.plain(self.hidden))?;
                 be.mul_row(&mut r, scale)?;
                 be.scale(&mut r, *factor)?;
                 made = r;
