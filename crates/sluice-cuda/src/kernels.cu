@@ -993,6 +993,13 @@ __device__ __forceinline__ int att_len(RowMeta m, int window) {
 #define ATT_WARPS 4
 #define ATT_DIMS 16
 #define ATT_MAX_SPLITS 16
+// Positions a warp takes at once (the loop in attention); SLUICE_CUDA_VARIANT=1 or 8
+// for the measurement of one or eight.
+#if defined(SLUICE_VARIANT) && (SLUICE_VARIANT == 1 || SLUICE_VARIANT == 8)
+#define ATT_GROUP SLUICE_VARIANT
+#else
+#define ATT_GROUP 4
+#endif
 
 // Positions per block for a row attending to `len` positions: 64, or more once a
 // row would need more than ATT_MAX_SPLITS blocks. A function of the row alone, so
@@ -1007,9 +1014,9 @@ __device__ __forceinline__ int att_split_len(int len) {
 // the exponential-weighted sum of values) to `part`; attention_merge joins a row's
 // partials. Keys and values before `start` come from the sequence's cache (device
 // pointers kc[seq], vc[seq], a ring of `ring[seq]` slots if nonzero), later ones from
-// the chunk's own rows. A warp takes every ATT_WARPS-th position of the run with a
-// running maximum (online softmax), its lanes across the head's dimensions
-// (coalesced reads of each key and value row). `part` holds zdim partials of hd + 2
+// the chunk's own rows. A warp takes every ATT_WARPS-th position of the run,
+// ATT_GROUP at a time, with a running maximum (online softmax), its lanes across the
+// head's dimensions (coalesced reads of each key and value row). `part` holds zdim partials of hd + 2
 // floats per (row, head); dynamic shared memory hd + ATT_WARPS * (hd + 2) floats.
 extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new,
                                      const unsigned long long* kc, const unsigned long long* vc, const int* ring,
@@ -1037,23 +1044,53 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
     float acc[ATT_DIMS];
 #pragma unroll
     for (int i = 0; i < ATT_DIMS; i++) acc[i] = 0.0f;
-    for (int t = t0 + warp; t < t1; t += ATT_WARPS) {
-        int j = m.sel >= 0 ? (int)sel[m.sel + t] : lo + t;
-        long long at = j < m.start ? (long long)(rg > 0 ? j % rg : j) * kv_dim : -1;
-        const float* kr = (at >= 0 ? kcache + at : k_new + (long long)(m.first + j - m.start) * kv_dim) + kvh * hd;
-        const float* vr = (at >= 0 ? vcache + at : v_new + (long long)(m.first + j - m.start) * kv_dim) + kvh * hd;
-        float s = 0.0f;
-        for (int d = lane; d < hd; d += 32) s += qs[d] * kr[d];
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-        s *= scale;
-        if (cap > 0.0f) s = tanhf(s / cap) * cap;
-        float mn = fmaxf(mx, s);
-        float c = expf(mx - mn), p = expf(s - mn);
-        l = l * c + p;
+    // ATT_GROUP of the warp's positions at a time: their keys' loads issued together,
+    // their scores reduced together, one rescale of the sums for the group, their
+    // values' loads issued together (one at a time, each waited on in turn: 23 us a
+    // decode layer of 512 positions). A position past the run takes the run's first
+    // row's address and weight 0.
+    for (int tb = t0 + warp; tb < t1; tb += ATT_WARPS * ATT_GROUP) {
+        const float* kr[ATT_GROUP];
+        const float* vr[ATT_GROUP];
+        float s[ATT_GROUP];
+#pragma unroll
+        for (int g = 0; g < ATT_GROUP; g++) {
+            int t = min(tb + g * ATT_WARPS, t1 - 1);
+            int j = m.sel >= 0 ? (int)sel[m.sel + t] : lo + t;
+            long long at = j < m.start ? (long long)(rg > 0 ? j % rg : j) * kv_dim : -1;
+            kr[g] = (at >= 0 ? kcache + at : k_new + (long long)(m.first + j - m.start) * kv_dim) + kvh * hd;
+            vr[g] = (at >= 0 ? vcache + at : v_new + (long long)(m.first + j - m.start) * kv_dim) + kvh * hd;
+            s[g] = 0.0f;
+        }
+        for (int d = lane; d < hd; d += 32) {
+            float qd = qs[d];
+#pragma unroll
+            for (int g = 0; g < ATT_GROUP; g++) s[g] += qd * kr[g][d];
+        }
+        float mn = mx;
+#pragma unroll
+        for (int g = 0; g < ATT_GROUP; g++) {
+            for (int off = 16; off > 0; off >>= 1) s[g] += __shfl_xor_sync(0xffffffff, s[g], off);
+            s[g] *= scale;
+            if (cap > 0.0f) s[g] = tanhf(s[g] / cap) * cap;
+            if (tb + g * ATT_WARPS < t1) mn = fmaxf(mn, s[g]);
+        }
+        float c = expf(mx - mn), p[ATT_GROUP];
+        l *= c;
+#pragma unroll
+        for (int g = 0; g < ATT_GROUP; g++) {
+            p[g] = tb + g * ATT_WARPS < t1 ? expf(s[g] - mn) : 0.0f;
+            l += p[g];
+        }
 #pragma unroll
         for (int i = 0; i < ATT_DIMS; i++) {
             int d = lane + 32 * i;
-            if (d < hd) acc[i] = acc[i] * c + p * vr[d];
+            if (d < hd) {
+                float a = acc[i] * c;
+#pragma unroll
+                for (int g = 0; g < ATT_GROUP; g++) a += p[g] * vr[g][d];
+                acc[i] = a;
+            }
         }
         mx = mn;
     }
