@@ -497,37 +497,46 @@ impl Cuda {
         }
     }
 
-    /// `y = x · Wᵀ` for weight bytes at device address `w`.
-    fn product(&self, x: &DevAct, w: MatDesc) -> Result<DevAct> {
-        if x.cols != w.cols {
+    /// `y_i = x · W_iᵀ` for weight bytes at device addresses `ws[i].ptr`: decode rows
+    /// take matrices of one format together, one launch for up to [`MANY_MATS`].
+    fn products(&self, x: &DevAct, ws: &[MatDesc]) -> Result<Vec<DevAct>> {
+        if let Some(w) = ws.iter().find(|w| w.cols != x.cols) {
             return Err(Error::Device(format!(
                 "cuda: a product of {} columns with a weight of {} (internal error)",
                 x.cols, w.cols
             )));
         }
-        let y = self.act(x.rows, w.rows)?;
+        let ys = ws.iter().map(|w| self.act(x.rows, w.rows)).collect::<Result<Vec<_>>>()?;
         if x.rows == 0 {
-            return Ok(y);
+            return Ok(ys);
         }
-        if self.products.integer(w.dtype) {
-            let cfg = grid((w.rows as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
-            let qin = self.qin(self.quantized(x, None)?, x.rows, x.cols);
-            let name = format!("mmq_{}", format_suffix(w.dtype));
-            launch!(&self.dev, &name, cfg; w.ptr, w.row_bytes as i64, w.rows as i32, qin, self.p(&y.buf))?;
-            return Ok(y);
+        let (cols, rows, input) = (x.cols as i32, x.rows as i32, self.p(&x.buf));
+        let row_passes = x.rows.div_ceil(MM_ROWS) as u32;
+        let mut i = 0;
+        while i < ws.len() {
+            let (w, y_at) = (ws[i], self.p(&ys[i].buf));
+            let suffix = format_suffix(w.dtype);
+            if self.products.integer(w.dtype) {
+                let qin = self.qin(self.quantized(x, None)?, x.rows, x.cols);
+                launch!(&self.dev, &format!("mmq_{suffix}"), grid((w.rows as u32, row_passes), 128, 0);
+                    w.ptr, w.row_bytes as i64, w.rows as i32, qin, y_at)?;
+                i += 1;
+                continue;
+            }
+            let ro = outputs_per_block(x.rows, w.cols);
+            if ro == 1 {
+                launch!(&self.dev, &format!("mm_{suffix}"), grid((w.rows as u32, row_passes), 128, 0);
+                    w.ptr, w.row_bytes as i64, w.rows as i32, cols, input, rows, y_at)?;
+                i += 1;
+                continue;
+            }
+            // This matrix and those after it of its format, in one launch.
+            let (many, n) = Many::of(ro, ws[i..].iter().zip(&ys[i..]).map(|(m, y)| (m.ptr, self.p(&y.buf), *m)));
+            i += n;
+            launch!(&self.dev, &format!("mmo_{suffix}"), grid((many.blocks(), row_passes), 128, 0);
+                many, cols, input, rows, ro as i32)?;
         }
-        let ro = outputs_per_block(x.rows, w.cols);
-        let cfg = grid((w.rows.div_ceil(ro) as u32, x.rows.div_ceil(MM_ROWS) as u32), 128, 0);
-        let (row_bytes, out, cols, rows) = (w.row_bytes as i64, w.rows as i32, w.cols as i32, x.rows as i32);
-        let (input, y_at) = (self.p(&x.buf), self.p(&y.buf));
-        if ro > 1 {
-            let name = format!("mmo_{}", format_suffix(w.dtype));
-            launch!(&self.dev, &name, cfg; w.ptr, row_bytes, out, cols, input, rows, ro as i32, y_at)?;
-        } else {
-            let name = format!("mm_{}", format_suffix(w.dtype));
-            launch!(&self.dev, &name, cfg; w.ptr, row_bytes, out, cols, input, rows, y_at)?;
-        }
-        Ok(y)
+        Ok(ys)
     }
 
     /// A host weight matrix's bytes on the device (an expert, for now at every use).
@@ -615,32 +624,41 @@ impl Cuda {
         // expert once).
         let step_rows = j / k;
         // `yrow` likewise: where each compact row's output goes (null: row itself).
-        let grouped = |ws: &CudaSlice<u64>, m: &DevMat, input: &DevAct, xrow: u64, y: &DevAct, yrow: u64| {
-            if self.products.integer(m.dtype) {
-                let cfg = grid((m.rows as u32, n_work as u32), 128, 0);
-                let map = if xrow == 0 { Some(self.p(&rows)) } else { None };
-                let qin = self.qin(self.quantized(input, map)?, input.rows, input.cols);
-                let name = format!("mmgq_{}", format_suffix(m.dtype));
-                return launch!(&self.dev, &name, cfg;
-                    self.p(ws), m.row_bytes as i64, m.rows as i32, qin, xrow, self.p(&work), self.p(&y.buf), yrow);
+        // `mats`: (table of expert addresses, an expert's matrix, output) of matrices
+        // that read `input`; decode rows take those of one format in one launch.
+        let grouped = |mats: &[(&CudaSlice<u64>, &DevMat, &DevAct)], input: &DevAct, xrow: u64, yrow: u64| {
+            let (cols, x_at, work) = (input.cols as i32, self.p(&input.buf), self.p(&work));
+            let mut i = 0;
+            while i < mats.len() {
+                let (ws, m, y) = mats[i];
+                let suffix = format_suffix(m.dtype);
+                let (ws, y_at) = (self.p(ws), self.p(&y.buf));
+                if self.products.integer(m.dtype) {
+                    let map = if xrow == 0 { Some(self.p(&rows)) } else { None };
+                    let qin = self.qin(self.quantized(input, map)?, input.rows, input.cols);
+                    launch!(&self.dev, &format!("mmgq_{suffix}"), grid((m.rows as u32, n_work as u32), 128, 0);
+                        ws, m.row_bytes as i64, m.rows as i32, qin, xrow, work, y_at, yrow)?;
+                    i += 1;
+                    continue;
+                }
+                let ro = outputs_per_block(step_rows, m.cols);
+                if ro == 1 {
+                    launch!(&self.dev, &format!("mmg_{suffix}"), grid((m.rows as u32, n_work as u32), 128, 0);
+                        ws, m.row_bytes as i64, m.rows as i32, cols, x_at, xrow, work, y_at, yrow)?;
+                    i += 1;
+                    continue;
+                }
+                let (many, n) =
+                    Many::of(ro, mats[i..].iter().map(|&(t, m, y)| (self.p(t), self.p(&y.buf), self.desc(m))));
+                i += n;
+                launch!(&self.dev, &format!("mmgo_{suffix}"), grid((many.blocks(), n_work as u32), 128, 0);
+                    many, cols, x_at, xrow, work, ro as i32, yrow)?;
             }
-            let ro = outputs_per_block(step_rows, m.cols);
-            let cfg = grid((m.rows.div_ceil(ro) as u32, n_work as u32), 128, 0);
-            let (ws, input) = (self.p(ws), self.p(&input.buf));
-            if ro > 1 {
-                let name = format!("mmgo_{}", format_suffix(m.dtype));
-                return launch!(&self.dev, &name, cfg;
-                    ws, m.row_bytes as i64, m.rows as i32, m.cols as i32, input, xrow, self.p(&work), ro as i32,
-                    self.p(&y.buf), yrow);
-            }
-            let name = format!("mmg_{}", format_suffix(m.dtype));
-            launch!(&self.dev, &name, cfg;
-                ws, m.row_bytes as i64, m.rows as i32, m.cols as i32, input, xrow, self.p(&work), self.p(&y.buf), yrow)
+            Ok::<(), Error>(())
         };
         let (inter, hidden) = (shape.gate.rows, shape.down.rows);
         let (mut g, mut u) = (self.act(j, inter)?, self.act(j, inter)?);
-        grouped(&tables.gate, &shape.gate, x, self.p(&rows), &g, 0)?;
-        grouped(&tables.up, &shape.up, x, self.p(&rows), &u, 0)?;
+        grouped(&[(&tables.gate, &shape.gate, &g), (&tables.up, &shape.up, &u)], x, self.p(&rows), 0)?;
         let bias = |a: &mut DevAct, b: &DevVector| -> Result<()> {
             let n = a.len();
             launch!(&self.dev, "add_expert_bias", elementwise(n);
@@ -649,7 +667,7 @@ impl Cuda {
         let Some(b) = &ffn.bias else {
             self.glu(&mut g, &u, ffn.glu)?;
             // The down product writes each compact row's output to its slot.
-            return grouped(&tables.down, &shape.down, &g, 0, per_slot, self.p(&slots));
+            return grouped(&[(&tables.down, &shape.down, per_slot)], &g, 0, self.p(&slots));
         };
         bias(&mut g, &b.gate)?;
         bias(&mut u, &b.up)?;
@@ -657,7 +675,7 @@ impl Cuda {
         // The biases are by compact row, so the down product's rows go to their slots
         // after them.
         let mut d = self.act(j, hidden)?;
-        grouped(&tables.down, &shape.down, &g, 0, &d, 0)?;
+        grouped(&[(&tables.down, &shape.down, &d)], &g, 0, 0)?;
         bias(&mut d, &b.down)?;
         let n = d.len();
         launch!(&self.dev, "scatter_rows", elementwise(n);
@@ -683,6 +701,50 @@ fn outputs_per_block(rows: usize, cols: usize) -> usize {
 
 /// Input rows per pass of a product over the weights (`MM_ROWS` in kernels.cu).
 const MM_ROWS: usize = 8;
+
+/// The most matrices one `mmo_`/`mmgo_` launch takes (`MANY_MATS` in kernels.cu).
+const MANY_MATS: usize = 3;
+
+/// Matrices of one format that read one input, for one launch of `mmo_` or `mmgo_`
+/// (`Many` in kernels.cu): each one's weights (a grouped product's table of expert
+/// addresses), output, row bytes and rows, and the launch's blocks up to the end of
+/// it. Slots past the last matrix end where it does, so no block falls in them.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Many {
+    w: [u64; MANY_MATS],
+    y: [u64; MANY_MATS],
+    row_bytes: [i64; MANY_MATS],
+    out: [i32; MANY_MATS],
+    end: [i32; MANY_MATS],
+}
+
+// SAFETY: addresses and integers, laid out as the kernel's struct.
+unsafe impl cudarc::driver::DeviceRepr for Many {}
+
+impl Many {
+    /// The leading matrices of `mats` (weights, output, shape) that share the first
+    /// one's format, up to [`MANY_MATS`], at `ro` outputs a block; and how many.
+    fn of(ro: usize, mats: impl Iterator<Item = (u64, u64, MatDesc)>) -> (Many, usize) {
+        let mut m = Many::default();
+        let mut n = 0;
+        let mut dtype = None;
+        for (w, y, d) in mats.take(MANY_MATS) {
+            if *dtype.get_or_insert(d.dtype) != d.dtype {
+                break;
+            }
+            let start = if n == 0 { 0 } else { m.end[n - 1] };
+            (m.w[n], m.y[n], m.row_bytes[n], m.out[n]) = (w, y, d.row_bytes as i64, d.rows as i32);
+            m.end[n..].fill(start + d.rows.div_ceil(ro) as i32);
+            n += 1;
+        }
+        (m, n)
+    }
+
+    fn blocks(&self) -> u32 {
+        self.end[MANY_MATS - 1] as u32
+    }
+}
 
 /// The addresses an `rms_norm` launch reads and writes: `x` (of `len` elements),
 /// `add` (0: none) summed into it first, the result to `y` (which may be `x`).
@@ -816,7 +878,11 @@ impl Backend for Cuda {
     }
 
     fn matmul(&self, x: &DevAct, w: &DevMat) -> Result<DevAct> {
-        self.product(x, self.desc(w))
+        Ok(self.products(x, &[self.desc(w)])?.pop().expect("one product"))
+    }
+
+    fn matmul_many(&self, x: &DevAct, ws: &[&DevMat]) -> Result<Vec<DevAct>> {
+        self.products(x, &ws.iter().map(|w| self.desc(w)).collect::<Vec<_>>())
     }
 
     fn rms_norm(&self, x: &mut DevAct, n: &Norm<'_, Self>) -> Result<()> {
@@ -1089,11 +1155,9 @@ impl Backend for Cuda {
         // Of a chunk longer than the ring only the last `window` rows survive.
         let skip = kv.window.map_or(0, |w| n.saturating_sub(w));
         let n_el = (n - skip) * d;
-        for (cache, src) in [(&kv.k, k), (&kv.v, v)] {
-            let at = self.p(&src.buf) + (seq.first * src.cols * 4) as u64;
-            launch!(&self.dev, "kv_write", elementwise(n_el);
-                self.p(cache), at, n as i32, d as i32, kv.len as i64, ring, skip as i32)?;
-        }
+        let at = |src: &DevAct| self.p(&src.buf) + (seq.first * src.cols * 4) as u64;
+        launch!(&self.dev, "kv_write", elementwise(2 * n_el);
+            self.p(&kv.k), self.p(&kv.v), at(k), at(v), n as i32, d as i32, kv.len as i64, ring, skip as i32)?;
         kv.len += n;
         Ok(())
     }
@@ -1142,8 +1206,14 @@ impl Backend for Cuda {
             }
         }
         // The kernel reads the list only for rows that have one; an empty one is a
-        // one-element placeholder.
-        let chosen = self.dev.upload_scratch(if chosen.is_empty() { &[0u32][..] } else { &chosen })?;
+        // one-element placeholder (a constant: no copy to the device in every layer).
+        let chosen_keep;
+        let chosen = if chosen.is_empty() {
+            self.constant(&[0u32])?
+        } else {
+            chosen_keep = self.dev.upload_scratch(&chosen)?;
+            self.p(&chosen_keep)
+        };
         let kc: Vec<u64> = op.caches.iter().map(|c| self.p(&c.k)).collect();
         let vc: Vec<u64> = op.caches.iter().map(|c| self.p(&c.v)).collect();
         let ring: Vec<i32> = op.caches.iter().map(|c| c.window.unwrap_or(0) as i32).collect();
@@ -1163,7 +1233,7 @@ impl Backend for Cuda {
         let window = s.window.unwrap_or(0) as i32;
         launch!(&self.dev, "attention", cfg;
             self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), kc, vc, ring,
-            meta, self.p(&chosen), s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
+            meta, chosen, s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
             splits as i32, self.p(&part))?;
         launch!(&self.dev, "attention_merge", grid((s.n_heads as u32, rows as u32), 128, 0);
             self.p(&part), meta, op.sinks.map_or(0, |v| self.p(&v.dev)), s.n_heads as i32, hd as i32, window,

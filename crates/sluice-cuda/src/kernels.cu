@@ -402,16 +402,51 @@ __device__ void mm(const u8* w, long long row_bytes, int out, int cols, const fl
     mm_block<F>(w + (long long)o * row_bytes, cols, min(MM_ROWS, n - r0), DenseX{x, cols, r0}, DenseY{y, out, o, r0});
 }
 
-// mm with `ro` outputs a block (mm_block_outputs). Grid (ceil(out / ro), ceil(n /
-// MM_ROWS)).
+// Up to MANY_MATS matrices of one format that read the same input (q, k and v; an
+// expert's gate and up), in one launch of mm_outputs or mm_grouped_outputs: the
+// matrix m of a block is the first whose `end` (its last block + 1, counted over the
+// matrices in order) is past blockIdx.x. `w` is a matrix's weights (a grouped
+// product's table of expert addresses), `y` its output. As backend.rs's `Many`.
+#define MANY_MATS 3
+struct Many {
+    unsigned long long w[MANY_MATS];
+    unsigned long long y[MANY_MATS];
+    long long row_bytes[MANY_MATS];
+    int out[MANY_MATS];
+    int end[MANY_MATS];
+};
+
+// The matrix of this block, and its first output row; written with constant
+// indices, so the struct stays in the parameter space.
+struct ManyPick {
+    unsigned long long w, y;
+    long long row_bytes;
+    int out, o;
+};
+__device__ __forceinline__ ManyPick many_pick(const Many& m, int ro) {
+    int b = blockIdx.x, start = 0;
+    ManyPick p = {m.w[0], m.y[0], m.row_bytes[0], m.out[0], 0};
+#pragma unroll
+    for (int i = 1; i < MANY_MATS; i++) {
+        if (b >= m.end[i - 1]) {
+            start = m.end[i - 1];
+            p = ManyPick{m.w[i], m.y[i], m.row_bytes[i], m.out[i], 0};
+        }
+    }
+    p.o = (b - start) * ro;
+    return p;
+}
+
+// mm with `ro` outputs a block (mm_block_outputs), for each matrix of `m`. Grid
+// (m.end[last], ceil(n / MM_ROWS)), a matrix's blocks ceil(out / ro).
 template <int F>
-__device__ void mm_outputs(const u8* w, long long row_bytes, int out, int cols, const float* x, int n, int ro,
-                           float* y) {
-    int o = blockIdx.x * ro;
+__device__ void mm_outputs(const Many& m, int cols, const float* x, int n, int ro) {
+    ManyPick p = many_pick(m, ro);
     int r0 = blockIdx.y * MM_ROWS;
     const u8* row[4];
-    out_rows(w, row_bytes, o, ro, out, row);
-    mm_block_outputs<F>(row, ro, cols, min(MM_ROWS, n - r0), DenseX{x, cols, r0}, DenseY{y, out, o, r0});
+    out_rows((const u8*)p.w, p.row_bytes, p.o, ro, p.out, row);
+    mm_block_outputs<F>(row, ro, cols, min(MM_ROWS, n - r0), DenseX{x, cols, r0},
+                        DenseY{(float*)p.y, p.out, p.o, r0});
 }
 
 // A grouped product's unit of work: compact rows start..start + n (n <= MM_ROWS) of
@@ -458,18 +493,19 @@ __device__ void mm_grouped(const unsigned long long* ws, long long row_bytes, in
     mm_block<F>(row, cols, it.n, GatherX{x, xrow, cols, it.start}, ScatterY{y, yrow, out, o, it.start});
 }
 
-// mm_grouped with `ro` outputs a block (mm_block_outputs). Grid (ceil(out / ro),
-// items).
+// mm_grouped with `ro` outputs a block (mm_block_outputs), for each matrix of `m`
+// (tables of expert addresses, sharing the work list and the rows). Grid
+// (m.end[last], items).
 template <int F>
-__device__ void mm_grouped_outputs(const unsigned long long* ws, long long row_bytes, int out, int cols,
-                                   const float* x, const u32* xrow, const Work* work, int ro, float* y,
-                                   const u32* yrow) {
-    int o = blockIdx.x * ro;
+__device__ void mm_grouped_outputs(const Many& m, int cols, const float* x, const u32* xrow, const Work* work,
+                                   int ro, const u32* yrow) {
+    ManyPick p = many_pick(m, ro);
     Work it = work[blockIdx.y];
     if (it.n == 0) return;
     const u8* row[4];
-    out_rows((const u8*)ws[it.expert], row_bytes, o, ro, out, row);
-    mm_block_outputs<F>(row, ro, cols, it.n, GatherX{x, xrow, cols, it.start}, ScatterY{y, yrow, out, o, it.start});
+    out_rows((const u8*)((const unsigned long long*)p.w)[it.expert], p.row_bytes, p.o, ro, p.out, row);
+    mm_block_outputs<F>(row, ro, cols, it.n, GatherX{x, xrow, cols, it.start},
+                        ScatterY{(float*)p.y, yrow, p.out, p.o, it.start});
 }
 
 // ---- Integer products: K-quant weights against quantized activations ----
@@ -672,18 +708,16 @@ __device__ void embed(const u8* w, long long row_bytes, int cols, const u32* tok
                                                const u32* yrow) {                                              \
         mm_grouped<F>(ws, row_bytes, out, cols, x, xrow, work, y, yrow);                                       \
     }                                                                                                          \
-    extern "C" __global__ void CAT(mmgo_, name)(const unsigned long long* ws, long long row_bytes, int out,     \
-                                                int cols, const float* x, const u32* xrow, const Work* work,   \
-                                                int ro, float* y, const u32* yrow) {                           \
-        mm_grouped_outputs<F>(ws, row_bytes, out, cols, x, xrow, work, ro, y, yrow);                           \
+    extern "C" __global__ void CAT(mmgo_, name)(Many m, int cols, const float* x, const u32* xrow,             \
+                                                const Work* work, int ro, const u32* yrow) {                   \
+        mm_grouped_outputs<F>(m, cols, x, xrow, work, ro, yrow);                                               \
     }                                                                                                          \
     extern "C" __global__ void CAT(mm_, name)(const u8* w, long long row_bytes, int out, int cols,             \
                                               const float* x, int n, float* y) {                               \
         mm<F>(w, row_bytes, out, cols, x, n, y);                                                               \
     }                                                                                                          \
-    extern "C" __global__ void CAT(mmo_, name)(const u8* w, long long row_bytes, int out, int cols,            \
-                                               const float* x, int n, int ro, float* y) {                      \
-        mm_outputs<F>(w, row_bytes, out, cols, x, n, ro, y);                                                   \
+    extern "C" __global__ void CAT(mmo_, name)(Many m, int cols, const float* x, int n, int ro) {             \
+        mm_outputs<F>(m, cols, x, n, ro);                                                                      \
     }                                                                                                          \
     extern "C" __global__ void CAT(embed_, name)(const u8* w, long long row_bytes, int cols, const u32* tok,   \
                                                  float scale, float* out) {                                    \
@@ -955,16 +989,19 @@ extern "C" __global__ void rope(float* x, int cols, int head_dim, const u32* pos
 
 // ---- KV cache and attention ----
 
-// Writes rows skip..rows of `src` ([rows, kv_dim]) to a cache whose next position is
-// `len`: slot len + i, or (len + i) % ring for a ring (ring > 0).
-extern "C" __global__ void kv_write(float* cache, const float* src, int rows, int kv_dim, long long len, int ring,
-                                    int skip) {
+// Writes rows skip..rows of `k` and of `v` ([rows, kv_dim] each) to the caches `kc`
+// and `vc`, whose next position is `len`: slot len + i, or (len + i) % ring for a
+// ring (ring > 0). One launch for both (the first half of the indices keys).
+extern "C" __global__ void kv_write(float* kc, float* vc, const float* k, const float* v, int rows, int kv_dim,
+                                    long long len, int ring, int skip) {
     long long n = (long long)(rows - skip) * kv_dim;
-    EACH(n) {
-        long long r = skip + i / kv_dim;
+    EACH(2 * n) {
+        bool is_k = i < n;
+        long long at = is_k ? i : i - n;
+        long long r = skip + at / kv_dim;
         long long pos = len + r;
         long long slot = ring > 0 ? pos % ring : pos;
-        cache[slot * kv_dim + i % kv_dim] = src[r * kv_dim + i % kv_dim];
+        (is_k ? kc : vc)[slot * kv_dim + at % kv_dim] = (is_k ? k : v)[r * kv_dim + at % kv_dim];
     }
 }
 

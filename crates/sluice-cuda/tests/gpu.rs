@@ -122,6 +122,39 @@ fn every_format_against_dequantized_f64() {
     assert!(be.embed(&dm, &[4], 1.0).is_err());
 }
 
+/// Products of matrices that share an input (q, k and v) in one call give each
+/// matrix the bits it has alone: formats mixed (the launch takes runs of one format),
+/// shapes unequal (each matrix's blocks follow the one before), more matrices than
+/// one launch takes; for decode rows (several matrices a launch) and a prompt's.
+#[test]
+fn products_together_give_each_ones_bits() {
+    let Some(be) = gpu() else { return };
+    let mut rng = Rng(12);
+    let cols = 512;
+    let shapes =
+        [(DType::Q4K, 300), (DType::Q4K, 67), (DType::Q4K, 5), (DType::Q6K, 67), (DType::Q4K, 96), (DType::Q4K, 8)];
+    let mats: Vec<_> = shapes
+        .iter()
+        .map(|&(dtype, rows)| {
+            let bytes = random_matrix(dtype, rows, cols, &mut rng);
+            be.upload_mat(MatRef::new(dtype, rows, cols, &bytes).unwrap()).unwrap()
+        })
+        .collect();
+    let refs: Vec<_> = mats.iter().collect();
+    for n in [1, 2, 3, 9] {
+        let x = be.act_from_host(n, cols, &random_input(n, cols, &mut rng)).unwrap();
+        let together = be.matmul_many(&x, &refs).unwrap();
+        assert_eq!(together.len(), mats.len());
+        for (i, (m, y)) in mats.iter().zip(&together).enumerate() {
+            let alone = be.to_host(&be.matmul(&x, m).unwrap()).unwrap();
+            let got = be.to_host(y).unwrap();
+            assert_eq!(got.len(), n * shapes[i].1, "matrix {i}, {n} rows");
+            assert!(got == alone, "matrix {i} ({:?}) of {n} rows differs from its product alone", shapes[i]);
+            assert!(got.iter().any(|&v| v != 0.0), "matrix {i}, {n} rows: all zero");
+        }
+    }
+}
+
 /// The fixtures of the repository this test was built in, or of `SLUICE_REPO` (the
 /// GPU machine runs a test binary built elsewhere, in its own copy of the tree).
 fn fixtures() -> PathBuf {
