@@ -18,9 +18,9 @@ for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(os.path.di
     [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
 # Real models (scripts/fetch_models.sh) travel in parts of under 64 MiB, one call
-# each while the machine stays warm (scripts/device-notes.md):
+# each while the machine stays warm (scripts/device_parts.sh cuts them):
 # devbin/models/NAME.part1..9, joined here once into $SLUICE_MODELS for
-# real_models_against_the_cpu.
+# real_models_against_the_cpu, and checked against NAME.sha256 where it came along.
 names=
 for first in devbin/models/*.part1; do
     [ -f "$first" ] || continue
@@ -28,6 +28,12 @@ for first in devbin/models/*.part1; do
     mkdir -p "$SLUICE_MODELS"
     name=$(basename "$first" .part1)
     [ -f "$SLUICE_MODELS/$name" ] || cat devbin/models/"$name".part? >"$SLUICE_MODELS/$name"
+    if [ -f devbin/models/"$name".sha256 ] &&
+        ! (cd "$SLUICE_MODELS" && sha256sum --quiet -c "$OLDPWD/devbin/models/$name.sha256"); then
+        echo "$name: the joined parts are not the model (a part missing?); left out"
+        rm -f "$SLUICE_MODELS/$name"
+        continue
+    fi
     names="$names,$name"
 done
 [ -n "$names" ] && export SLUICE_GPU_MODELS="${names#,}"
