@@ -16,9 +16,10 @@ b() {
     "${bench[@]}" --json "$@" 2>/dev/null | tail -1 |
         python3 -c 'import json, sys; j = json.load(sys.stdin); print("prefill %.1f tok/s, decode %.2f tok/s (%.2f per sequence)" % (j["prefill_tok_s"], j["decode_tok_s"], j["decode_tok_s_per_sequence"]))'
 }
-echo "prefill 512:   $(b --prompt-tokens 512 --gen-tokens 1)"
+# SPEED_ONLY=decode: the decode line alone (its prompt's rate too), when device time is short.
+[ "${SPEED_ONLY:-}" = decode ] || echo "prefill 512:   $(b --prompt-tokens 512 --gen-tokens 1)"
 echo "decode:        $(b --prompt-tokens 512 --gen-tokens 64)"
-echo "8 sequences:   $(b --prompt-tokens 64 --gen-tokens 32 --parallel 8)"
+[ "${SPEED_ONLY:-}" = decode ] || echo "8 sequences:   $(b --prompt-tokens 64 --gen-tokens 32 --parallel 8)"
 if [ -n "${SPEED_TRACE:-}" ]; then
     for mode in sync cpu; do
         for run in "prefill --prompt-tokens 512 --gen-tokens 1" "decode --prompt-tokens 8 --gen-tokens 64"; do
