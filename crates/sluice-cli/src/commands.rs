@@ -1303,6 +1303,16 @@ pub fn plan(a: PlanArgs) -> Result<()> {
     if a.engine.record_routing.is_some() {
         return Err(Error::Usage("plan runs nothing to record: give a recorded histogram with --routing FILE".into()));
     }
+    // The planner models the CPU backend (host memory, page cache, disk); where the GPU
+    // tier would split a model is not predicted yet, and a CPU plan printed for
+    // `--backend cuda` would be read as one.
+    if a.engine.backend == BackendArg::Cuda || a.engine.gpu_memory.is_some() {
+        return Err(Error::Unsupported(
+            "plan predicts the CPU backend only (--backend cuda and --gpu-memory are not planned yet); measure \
+             the GPU with `sluice bench --backend cuda`"
+                .into(),
+        ));
+    }
     let threads = init_threads(a.engine.threads)?;
     let ckpt = Checkpoint::open(&a.engine.model)?;
     let layout = ExpertLayout::from_checkpoint(&ckpt)?;

@@ -629,6 +629,9 @@ fn plan_places_and_predicts() {
     assert!(j["prediction"].is_null());
     assert_one_error(&sluice(&["plan", "--model", m, "--record-routing", "/tmp/x.json"]), "--routing");
     assert_one_error(&sluice(&["plan", "--model", m, "--routing", "/nonexistent/routing.json"]), "routing.json");
+    // No GPU plan yet: said so, not a CPU plan under the GPU's name.
+    assert_one_error(&sluice(&["plan", "--model", m, "--backend", "cuda"]), "--backend cuda");
+    assert_one_error(&sluice(&["plan", "--model", m, "--gpu-memory", "8GiB"]), "--gpu-memory");
 }
 
 /// The GPU flags: `--gpu-memory` with the CPU backend is a usage error naming it;
