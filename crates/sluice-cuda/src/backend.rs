@@ -1431,7 +1431,25 @@ impl Backend for Cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::attention_splits;
+    use super::{MANY_MATS, Many, MatDesc, attention_splits};
+    use sluice_core::DType;
+
+    /// One launch takes the leading matrices of the first one's format, at most
+    /// MANY_MATS; each matrix's blocks follow the one before, and the unused slots end
+    /// where the last matrix does (kernels.cu's `many_pick` gives no block to them).
+    #[test]
+    fn many_takes_a_run_of_one_format() {
+        let mat = |dtype, rows| MatDesc { dtype, rows, cols: 256, row_bytes: 144, ptr: 0 };
+        let run =
+            |ro, mats: &[MatDesc]| Many::of(ro, mats.iter().enumerate().map(|(i, m)| (i as u64, 100 + i as u64, *m)));
+        let (m, n) = run(4, &[mat(DType::Q4K, 4096), mat(DType::Q4K, 512), mat(DType::Q6K, 512)]);
+        assert_eq!((n, m.end, m.blocks()), (2, [1024, 1152, 1152], 1152));
+        assert_eq!((m.w, m.y, m.out), ([0, 1, 0], [100, 101, 0], [4096, 512, 0]));
+        let (m, n) = run(2, &[mat(DType::Q6K, 5), mat(DType::Q6K, 3), mat(DType::Q6K, 1), mat(DType::Q6K, 8)]);
+        assert_eq!((n, m.end), (MANY_MATS, [3, 5, 6]));
+        let (m, n) = run(4, &[mat(DType::Q8_0, 3)]);
+        assert_eq!((n, m.end, m.blocks()), (1, [1, 1, 1], 1));
+    }
 
     /// Runs of 64 up to 16 of them, then longer runs: never more than 16 blocks, and
     /// every position in one.
