@@ -74,6 +74,15 @@ impl<'a, B: Backend> Cx<'a, B> {
         self.be.add_normed(x, y, &self.weighted(w, width))
     }
 
+    /// [`Cx::add_normed`] with the previous layer's output where there is one (a
+    /// [`Stack`](crate::families::Stack) layer's first norm), else [`Cx::normed`].
+    pub fn then_normed(&self, x: &mut B::Act, before: Option<B::Act>, w: &B::Vector, width: usize) -> Result<B::Act> {
+        match before {
+            Some(y) => self.add_normed(x, &y, w, width),
+            None => self.normed(x, w, width),
+        }
+    }
+
     /// The rows of the token embedding table for this step's tokens, times `scale`.
     pub fn embed(&mut self, table: &B::Mat, tokens: &[u32], scale: f32) -> Result<B::Act> {
         let be = self.be;

@@ -67,8 +67,8 @@ impl<B: Backend> Block<B> for Layer<B> {
         spec.layers.iter().map(|l| StateSpec::Latent { width: l.attention.kv_dim() }).collect()
     }
 
-    fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, h: usize) -> Result<()> {
-        let a = cx.normed(x, &self.attn_norm, h)?;
+    fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, before: Option<B::Act>, h: usize) -> Result<B::Act> {
+        let a = cx.then_normed(x, before, &self.attn_norm, h)?;
         let a = self.attn.forward(cx, &a)?;
         let f = cx.add_normed(x, &a, &self.ffn_norm, h)?;
         let f = match &self.ffn {
@@ -81,7 +81,7 @@ impl<B: Backend> Block<B> for Layer<B> {
                 y
             }
         };
-        cx.be.add(x, &f)
+        Ok(f)
     }
 }
 

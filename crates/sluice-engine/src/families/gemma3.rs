@@ -39,14 +39,14 @@ impl<B: Backend> Block<B> for Layer<B> {
         })
     }
 
-    fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, h: usize) -> Result<()> {
-        let a = cx.normed(x, &self.attn_norm, h)?;
+    fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, before: Option<B::Act>, h: usize) -> Result<B::Act> {
+        let a = cx.then_normed(x, before, &self.attn_norm, h)?;
         let mut a = self.attn.forward(cx, &a)?;
         cx.norm(&mut a, &self.attn_post_norm, h)?;
         let f = cx.add_normed(x, &a, &self.ffn_norm, h)?;
         let mut f = self.mlp.forward(cx, &f)?;
         cx.norm(&mut f, &self.ffn_post_norm, h)?;
-        cx.be.add(x, &f)
+        Ok(f)
     }
 }
 

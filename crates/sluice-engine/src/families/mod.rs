@@ -53,8 +53,11 @@ pub fn attention_state(spec: &sluice_core::ModelSpec) -> Vec<StateSpec> {
 /// One layer of a [`Stack`]: what it loads and how it adds to the residual stream.
 pub trait Block<B: Backend>: Sized + Send + Sync {
     fn load(be: &B, ckpt: &Checkpoint, layer: usize) -> Result<Self>;
-    /// Adds the layer's work to the residual `x` (rows of `hidden`).
-    fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, hidden: usize) -> Result<()>;
+    /// The layer's work on the residual `x` (rows of `hidden`) once `before` (the
+    /// previous layer's output, if any) is added to it; returns its own output, which
+    /// the next layer adds with its first norm ([`Cx::then_normed`]: one fused
+    /// operation instead of two, the same bits).
+    fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, before: Option<B::Act>, hidden: usize) -> Result<B::Act>;
     /// The layer's routed experts, if it has them.
     fn experts(&self) -> Option<&Moe<B>> {
         None
@@ -98,11 +101,11 @@ impl<B: Backend, L: Block<B>> Network<B> for Stack<B, L> {
     fn forward(&self, cx: &mut Cx<'_, B>, tokens: &[u32]) -> Result<B::Act> {
         let h = self.spec.hidden_size;
         let mut x = cx.embed(&self.embed, tokens, self.spec.embed_scale)?;
+        let mut out = None;
         for l in &self.layers {
-            l.forward(cx, &mut x, h)?;
+            out = Some(l.forward(cx, &mut x, out.take(), h)?);
         }
-        cx.norm(&mut x, &self.final_norm, h)?;
-        Ok(x)
+        cx.then_normed(&mut x, out, &self.final_norm, h)
     }
 
     fn lm_head(&self) -> &B::Mat {

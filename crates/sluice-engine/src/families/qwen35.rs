@@ -92,8 +92,8 @@ impl<B: Backend> Block<B> for Layer<B> {
             .collect()
     }
 
-    fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, h: usize) -> Result<()> {
-        let a = cx.normed(x, &self.attn_norm, h)?;
+    fn forward(&self, cx: &mut Cx<'_, B>, x: &mut B::Act, before: Option<B::Act>, h: usize) -> Result<B::Act> {
+        let a = cx.then_normed(x, before, &self.attn_norm, h)?;
         let a = match &self.mixer {
             Mixer::Linear(d) => d.forward(cx, &a)?,
             Mixer::Full(att) => att.forward(cx, &a)?,
@@ -109,7 +109,7 @@ impl<B: Backend> Block<B> for Layer<B> {
             }
             cx.be.add(&mut y, &z)?;
         }
-        cx.be.add(x, &y)
+        Ok(y)
     }
 }
 
