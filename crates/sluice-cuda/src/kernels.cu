@@ -1053,8 +1053,9 @@ __device__ __forceinline__ int att_split_len(int len) {
 // pointers kc[seq], vc[seq], a ring of `ring[seq]` slots if nonzero), later ones from
 // the chunk's own rows. A warp takes every ATT_WARPS-th position of the run,
 // ATT_GROUP at a time, with a running maximum (online softmax), its lanes across the
-// head's dimensions (coalesced reads of each key and value row). `part` holds zdim partials of hd + 2
-// floats per (row, head); dynamic shared memory hd + ATT_WARPS * (hd + 2) floats.
+// head's dimensions (coalesced reads of each key and value row). `part` holds zdim
+// partials of hd + 2 floats per (row, head); dynamic shared memory hd + ATT_WARPS *
+// (hd + 2) floats.
 extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new,
                                      const unsigned long long* kc, const unsigned long long* vc, const int* ring,
                                      const RowMeta* meta, const unsigned* sel, int n_heads, int n_kv_heads, int hd,
@@ -1083,9 +1084,9 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
     for (int i = 0; i < ATT_DIMS; i++) acc[i] = 0.0f;
     // ATT_GROUP of the warp's positions at a time: their keys' loads issued together,
     // their scores reduced together, one rescale of the sums for the group, their
-    // values' loads issued together (one at a time, each waited on in turn: 23 us a
-    // decode layer of 512 positions). A position past the run takes the run's first
-    // row's address and weight 0.
+    // values' loads issued together (a position at a time, each waiting on its own
+    // loads, took 23 us a decode layer of 512 positions on an H100). A position past
+    // the run reads the run's last position and weighs 0.
     for (int tb = t0 + warp; tb < t1; tb += ATT_WARPS * ATT_GROUP) {
         const float* kr[ATT_GROUP];
         const float* vr[ATT_GROUP];
