@@ -38,7 +38,12 @@ for first in devbin/models/*.part1; do
 done
 [ -n "$names" ] && export SLUICE_GPU_MODELS="${names#,}"
 status=0
-if [ -x devbin/gpu-tests ]; then
+# GPU_TESTS: only the tests whose names contain it (and not the integer products'
+# second run), e.g. GPU_TESTS=real_models after a model's last part came.
+if [ -x devbin/gpu-tests ] && [ -n "${GPU_TESTS:-}" ]; then
+    echo "== tests matching $GPU_TESTS"
+    devbin/gpu-tests --test-threads 1 --nocapture "$GPU_TESTS" 2>&1 || status=1
+elif [ -x devbin/gpu-tests ]; then
     echo "== tests"
     devbin/gpu-tests --test-threads 1 --nocapture 2>&1 || status=1
     echo "== tests of the integer products (SLUICE_CUDA_PRODUCTS=int)"

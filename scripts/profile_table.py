@@ -17,9 +17,9 @@ def num(r, k):
     return float(r[k].replace(",", ""))
 
 
-# The lm head: the product with the largest grid.
+# The lm head: the product with the largest grid (mm_, or mmo_ for one row).
 big = max((num(r, "launch__grid_size") for r in rows), default=0)
-heads = [i for i, r in enumerate(rows) if num(r, "launch__grid_size") >= 0.9 * big and r["Kernel Name"].startswith("mm_")]
+heads = [i for i, r in enumerate(rows) if num(r, "launch__grid_size") >= 0.9 * big and r["Kernel Name"].startswith(("mm_", "mmo_"))]
 if len(heads) < 2:
     print(f"{len(rows)} kernels profiled, fewer than two lm heads among them: widen SPEED_PROFILE_COUNT")
     sys.exit(0)

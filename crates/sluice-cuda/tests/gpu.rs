@@ -380,6 +380,58 @@ fn quantized_moe_against_the_cpu() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The real MoE geometries sluice synthesizes (`sluice synth --geometry`), each cut to
+/// its first layers so that a file is a few GB, and its default formats (Q4_K
+/// matrices, gpt-oss's experts in MXFP4, a Q6_K output): the GPU against the CPU on the
+/// same file as `gpu_against_cpu` compares them (192 prompt tokens and 8 decoded), and a
+/// batch bitwise its sequences alone. Tens of GB are written and read in all, so it
+/// runs when `SLUICE_GPU_GEOMETRIES` names the geometries (`all`, or a comma-separated
+/// list of names); unset, it says so and compares nothing.
+#[test]
+fn every_moe_geometry_against_the_cpu() {
+    let Some(be) = gpu() else { return };
+    let Ok(wanted) = std::env::var("SLUICE_GPU_GEOMETRIES") else {
+        eprintln!("no geometries: SLUICE_GPU_GEOMETRIES is unset (`all`, or names; scripts/gpu_check.sh)");
+        return;
+    };
+    // Layers kept: enough for each kind of layer the geometry has (Gemma 4's sliding
+    // and full attention, gpt-oss's alternating windows, DeepSeek's dense layers then a
+    // MoE one, Qwen3.5's DeltaNet layers then a full-attention one).
+    let cuts = [
+        ("qwen3-30b-a3b", 8),
+        ("qwen3-235b-a22b", 2),
+        ("gemma4-26b-a4b", 6),
+        ("gpt-oss-120b", 2),
+        ("deepseek-v3", 4),
+        ("qwen3.5-397b-a17b", 4),
+    ];
+    let names: Vec<&str> = wanted.split(',').map(str::trim).filter(|n| !n.is_empty()).collect();
+    for n in &names {
+        assert!(*n == "all" || cuts.iter().any(|(g, _)| g == n), "SLUICE_GPU_GEOMETRIES: no geometry {n}");
+    }
+    let dir = std::env::temp_dir().join(format!("sluice-gpu-geometries-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, layers) in cuts.into_iter().filter(|(g, _)| names.contains(&"all") || names.contains(g)) {
+        let geometry = Geometry::named(name).unwrap().with_layers(layers).unwrap();
+        let opts = SynthOptions { geometry, quant: DType::Q4K, skew: 0.9, seed: 7, tuning: Default::default() };
+        let path = dir.join(format!("{name}-{layers}.gguf"));
+        let from = std::time::Instant::now();
+        Synth::new(opts).unwrap().write_gguf(&path, &|_| {}).unwrap();
+        let size = std::fs::metadata(&path).unwrap().len();
+        eprintln!(
+            "{name}, {layers} layers: {:.2} GB written in {:.1} s",
+            size as f64 / 1e9,
+            from.elapsed().as_secs_f64()
+        );
+        let what = format!("{name} ({layers} layers)");
+        let gpu_model = gpu_against_cpu(&what, &be, &path, 200, 8);
+        batch_is_alone(&what, &gpu_model, &(0..16).map(|i| i * 7 + 3).collect::<Vec<u32>>());
+        drop(gpu_model);
+        let _ = std::fs::remove_file(&path);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The VRAM expert tier changes where experts come from, never the logits: the MoE
 /// fixtures with no tier (every expert copied at every use), a tier of a quarter of
 /// the experts (evicting) and an unbounded one give bitwise the same.
