@@ -1040,9 +1040,9 @@ __device__ __forceinline__ int att_len(RowMeta m, int window) {
 #define ATT_WARPS 4
 #define ATT_DIMS 16
 #define ATT_MAX_SPLITS 16
-// Positions a warp takes at once (the loop in attention); SLUICE_CUDA_VARIANT=1 or 8
-// for the measurement of one or eight.
-#if defined(SLUICE_VARIANT) && (SLUICE_VARIANT == 1 || SLUICE_VARIANT == 8)
+// Positions a warp takes at once (the loop in attention); SLUICE_CUDA_VARIANT=1, 8 or
+// 16 for the measurement of one, eight or sixteen (a 64-position split's warp has 16).
+#if defined(SLUICE_VARIANT) && (SLUICE_VARIANT == 1 || SLUICE_VARIANT == 8 || SLUICE_VARIANT == 16)
 #define ATT_GROUP SLUICE_VARIANT
 #else
 #define ATT_GROUP 4
