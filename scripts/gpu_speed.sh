@@ -20,6 +20,15 @@ b() {
 [ "${SPEED_ONLY:-}" = decode ] || echo "prefill 512:   $(b --prompt-tokens 512 --gen-tokens 1)"
 echo "decode:        $(b --prompt-tokens 512 --gen-tokens 64)"
 [ "${SPEED_ONLY:-}" = decode ] || echo "8 sequences:   $(b --prompt-tokens 64 --gen-tokens 32 --parallel 8)"
+# SPEED_TIER=SIZE: decode with the device taking at most SIZE (`--gpu-memory`), so the
+# VRAM tier holds part of the experts and fills the rest from host memory: from the
+# page cache (mapped, pageable) and from the store's page-locked copy (resident).
+if [ -n "${SPEED_TIER:-}" ]; then
+    for r in mapped resident; do
+        echo "tier $SPEED_TIER, $r: $("${bench[@]/resident/$r}" --json --gpu-memory "$SPEED_TIER" --prompt-tokens 64 --gen-tokens 64 2>/dev/null | tail -1 |
+            python3 -c 'import json, sys; j = json.load(sys.stdin); print("decode %.2f tok/s" % j["decode_tok_s"])')"
+    done
+fi
 if [ -n "${SPEED_TRACE:-}" ]; then
     for mode in sync cpu; do
         for run in "prefill --prompt-tokens 512 --gen-tokens 1" "decode --prompt-tokens 8 --gen-tokens 64"; do

@@ -298,7 +298,24 @@ fn choose_backend(e: &EngineArgs) -> Result<BackendArg> {
 fn load_model<B: Backend>(be: B, e: &EngineArgs) -> Result<Loaded<B>> {
     let t = Instant::now();
     let mut ckpt = Checkpoint::open(&e.model)?;
-    let (opts, placement) = load_options(e, &ckpt)?;
+    let (mut opts, placement) = load_options(e, &ckpt)?;
+    // A device tier that cannot hold every expert fills from host memory: `auto`
+    // then keeps them in page-locked memory (resident), which the device copies from
+    // at its link's full rate, rather than in the page cache, which it copies from
+    // through the driver's staging buffer.
+    if e.residency == ResidencyArg::Auto
+        && opts.store.residency == Residency::Mapped
+        && placement.expert_bytes > 0
+        && let Some(room) = be.expert_room()?
+        && placement.expert_bytes > room.saturating_sub(placement.resident_bytes)
+    {
+        eprintln!(
+            "residency auto: resident (experts {} in page-locked memory; the GPU has room for {} of them)",
+            human_bytes(placement.expert_bytes),
+            human_bytes(room.saturating_sub(placement.resident_bytes))
+        );
+        opts.store.residency = Residency::Resident;
+    }
     let copy = placement.weights == WeightsPlace::Memory;
     let bar = |what: &'static str| {
         std::io::stderr().is_terminal().then(|| {

@@ -11,10 +11,10 @@ use sluice_engine::backend::{
     AttnOp, Backend, DeltaOp, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols,
 };
 use sluice_engine::batch::{Batch, RowPrecision, SeqRows};
-use sluice_experts::{ExpertLease, ExpertStore, FetchMode};
+use sluice_experts::{ExpertLease, ExpertStore, FetchMode, PageLock};
 use sluice_formats::TensorView;
 
-use crate::device::{Device, Scratch, elementwise, fail, format_suffix, grid, launch};
+use crate::device::{Device, HostLocker, Scratch, elementwise, fail, format_suffix, grid, launch};
 
 /// A row-major `[rows, cols]` f32 matrix in device memory.
 pub struct DevAct {
@@ -1338,6 +1338,15 @@ impl Backend for Cuda {
             DevExperts::Some { lease: Some(l), .. } => l.waited(),
             _ => std::time::Duration::ZERO,
         }
+    }
+
+    fn expert_room(&self) -> Result<Option<u64>> {
+        let t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(Some(self.room(&t)? as u64))
+    }
+
+    fn page_lock(&self) -> Option<PageLock> {
+        Some(PageLock(Arc::new(HostLocker { ctx: self.dev.ctx.clone() })))
     }
 
     fn expert_traffic(&self) -> Option<ExpertTraffic> {

@@ -351,6 +351,40 @@ impl Device {
     }
 }
 
+/// Page-locks host memory for the device's copies from it (`cuMemHostRegister`): the
+/// copy engine then reads it directly at the link's full rate, and a copy returns to
+/// the host at once instead of after the driver's staging copy.
+pub(crate) struct HostLocker {
+    pub ctx: Arc<CudaContext>,
+}
+
+impl sluice_experts::PageLocker for HostLocker {
+    fn lock(&self, ptr: *mut u8, len: usize) -> Option<Box<dyn Send + Sync>> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread().ok()?;
+        // SAFETY: the caller keeps `len` bytes at `ptr` allocated until the guard
+        // drops (PageLocker's contract).
+        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, 0) }.result().ok()?;
+        Some(Box::new(Locked { ctx: self.ctx.clone(), ptr: ptr as usize }))
+    }
+}
+
+/// A range [`HostLocker`] locked, unlocked when dropped.
+struct Locked {
+    ctx: Arc<CudaContext>,
+    ptr: usize,
+}
+
+impl Drop for Locked {
+    fn drop(&mut self) {
+        // Copies from the range may still be queued: they finish before it is let go.
+        if self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok() {
+            // SAFETY: registered by HostLocker::lock at this address, once.
+            let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
+        }
+    }
+}
+
 impl Drop for Device {
     /// The trace's table, longest first, on stderr (set only by a developer's
     /// `SLUICE_CUDA_TRACE`).

@@ -15,7 +15,8 @@ use sluice_cuda::Cuda;
 use sluice_engine::backend::{Backend, Norm, RouterOp};
 use sluice_engine::batch::{Batch, RowPrecision};
 use sluice_engine::model::StepStats;
-use sluice_engine::{Chunk, Logits, Model};
+use sluice_engine::{Chunk, LoadOptions, Logits, Model};
+use sluice_experts::{Residency, StoreConfig};
 use sluice_formats::Checkpoint;
 use sluice_formats::synth::{Geometry, Synth, SynthOptions};
 
@@ -442,8 +443,15 @@ fn vram_tier_sizes_agree_bitwise() {
         let dir = fixtures().join(name);
         let (tokens, _) = reference(&dir);
         let ckpt = Checkpoint::open(&dir).unwrap();
-        let run = |be: Cuda| {
-            let model = Model::load(be, &ckpt).unwrap();
+        // The store's experts mapped, or in its host memory (resident), page-locked
+        // for the device's copies.
+        let run_with = |be: Cuda, residency: Residency| {
+            let opts = LoadOptions { store: StoreConfig { residency, ..Default::default() }, ..Default::default() };
+            let model = Model::load_with(be, &ckpt, &opts, None).unwrap();
+            if residency == Residency::Resident {
+                let locked = model.store.counters.locked_bytes.load(std::sync::atomic::Ordering::Relaxed);
+                assert!(locked > 0, "{name}: a resident store's experts were not page-locked");
+            }
             let mut s = model.session().unwrap();
             let mut out = s.forward(&tokens[..9], Logits::All).unwrap();
             for &t in &tokens[9..] {
@@ -451,6 +459,7 @@ fn vram_tier_sizes_agree_bitwise() {
             }
             out
         };
+        let run = |be: Cuda| run_with(be, Residency::Mapped);
         // Room for all: every expert copied at load, each layer served whole without
         // the routing coming back to the host.
         let big = be.with_expert_budget(usize::MAX);
@@ -466,6 +475,10 @@ fn vram_tier_sizes_agree_bitwise() {
         let quarter = run(small.clone());
         assert!(none == unbounded, "{name}: no VRAM tier differs from an unbounded one");
         assert!(quarter == unbounded, "{name}: a VRAM tier of a quarter of the experts differs from an unbounded one");
+        // A quarter in VRAM, the rest page-locked in host memory (what `--residency
+        // auto` chooses where the tier cannot hold them all).
+        let locked = run_with(be.with_expert_budget(all / 4 * expert), Residency::Resident);
+        assert!(locked == unbounded, "{name}: a quarter in VRAM, the rest page-locked, differs from an unbounded tier");
         let t = small.expert_traffic().unwrap();
         eprintln!("{name}, a quarter of the experts in VRAM: {t:?}");
         assert!(t.vram_hits > 0 && t.evictions > 0, "{name}: the tier was neither hit nor full: {t:?}");

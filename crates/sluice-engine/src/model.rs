@@ -172,8 +172,12 @@ impl<B: Backend> Model<B> {
             Family::Qwen35 => Box::new(Qwen35::load(&be, ckpt)?),
             Family::Qwen4Exp => Box::new(Qwen4Exp::load(&be, ckpt)?),
         };
+        let mut store_cfg = opts.store.clone();
+        if store_cfg.page_lock.is_none() {
+            store_cfg.page_lock = be.page_lock();
+        }
         let store =
-            ExpertStore::open(ckpt, &opts.store, progress.as_mut().map(|p| &mut **p as &mut dyn FnMut(u64, u64)))?;
+            ExpertStore::open(ckpt, &store_cfg, progress.as_mut().map(|p| &mut **p as &mut dyn FnMut(u64, u64)))?;
         be.adopt_experts(&store, progress)?;
         Ok(Model {
             spec: ckpt.spec.clone(),

@@ -32,6 +32,9 @@ pub(crate) fn align_up(x: usize) -> usize {
 pub(crate) struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
+    /// Where a device locked the pages (see [`crate::PageLocker`]): unlocked when
+    /// dropped, before the memory is freed.
+    locked: Option<Box<dyn Send + Sync>>,
 }
 
 // SAFETY: the buffer is plain bytes with no thread affinity; concurrent access goes
@@ -50,7 +53,16 @@ impl AlignedBuf {
         let ptr = NonNull::new(ptr).unwrap_or_else(|| handle_alloc_error(layout));
         // SAFETY: `ptr` points to `layout.size()` writable bytes just allocated.
         unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, layout.size()) };
-        AlignedBuf { ptr, len }
+        AlignedBuf { ptr, len, locked: None }
+    }
+
+    /// As [`AlignedBuf::new`], its pages then locked by `lock` where it can (the
+    /// buffer stays pageable where it cannot). Returns whether they were.
+    pub fn locked(len: usize, lock: &crate::PageLock) -> (AlignedBuf, bool) {
+        let mut b = AlignedBuf::new(len);
+        b.locked = lock.0.lock(b.ptr.as_ptr(), Self::layout(len).size());
+        let ok = b.locked.is_some();
+        (b, ok)
     }
 
     fn layout(len: usize) -> Layout {
@@ -84,6 +96,8 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        // Unlocked first: a device must let go of the pages before they are freed.
+        drop(self.locked.take());
         // SAFETY: allocated in `new` with this very layout.
         unsafe { dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
     }

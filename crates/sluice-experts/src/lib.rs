@@ -102,6 +102,29 @@ pub struct StoreConfig {
     pub direct_io: bool,
     /// The largest single read; rounded up to a multiple of 4 KiB.
     pub chunk_bytes: usize,
+    /// Locks a resident store's buffers for a device's copies (a GPU backend's,
+    /// [`PageLocker`]); `None`: they stay pageable.
+    pub page_lock: Option<PageLock>,
+}
+
+/// Locks host memory in place for a device's direct reads: a GPU copies from
+/// page-locked memory at its link's full rate, from pageable memory only through a
+/// staging copy of the driver's, at a fraction of it.
+pub trait PageLocker: Send + Sync {
+    /// Locks `len` bytes at `ptr` (page-aligned, allocated and kept by the caller)
+    /// until the returned guard is dropped, which the caller does before freeing
+    /// them; `None` where it cannot (the memory stays as it was).
+    fn lock(&self, ptr: *mut u8, len: usize) -> Option<Box<dyn Send + Sync>>;
+}
+
+/// A shared [`PageLocker`], as a [`StoreConfig`] holds it.
+#[derive(Clone)]
+pub struct PageLock(pub Arc<dyn PageLocker>);
+
+impl std::fmt::Debug for PageLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PageLock")
+    }
 }
 
 impl Default for StoreConfig {
@@ -115,6 +138,7 @@ impl Default for StoreConfig {
             read_threads: 4,
             direct_io: true,
             chunk_bytes: 1 << 20,
+            page_lock: None,
         }
     }
 }
@@ -311,6 +335,8 @@ pub struct StoreCounters {
     pub fetches: AtomicU64,
     pub experts_served: AtomicU64,
     pub bytes_served: AtomicU64,
+    /// Bytes of a resident store's experts page-locked for a device ([`PageLock`]).
+    pub locked_bytes: AtomicU64,
 }
 
 struct Streamed {
@@ -410,7 +436,7 @@ impl ExpertStore {
         };
         store.kind = match cfg.residency {
             Residency::Mapped => Kind::Mapped,
-            Residency::Resident => store.load_resident(progress)?,
+            Residency::Resident => store.load_resident(cfg.page_lock.as_ref(), progress)?,
             Residency::Streamed => store.open_streamed(cfg, progress)?,
         };
         Ok(store)
@@ -458,7 +484,7 @@ impl ExpertStore {
         Ok(())
     }
 
-    fn load_resident(&self, progress: Option<&mut dyn FnMut(u64, u64)>) -> Result<Kind> {
+    fn load_resident(&self, lock: Option<&PageLock>, progress: Option<&mut dyn FnMut(u64, u64)>) -> Result<Kind> {
         let reader = self.reader()?;
         let mut loads = Vec::new();
         let mut bufs = Vec::with_capacity(self.layout.layers.len());
@@ -467,7 +493,18 @@ impl ExpertStore {
                 bufs.push(None);
                 continue;
             };
-            let buf = Arc::new(AlignedBuf::new(le.experts.len() * le.slot_bytes));
+            let len = le.experts.len() * le.slot_bytes;
+            let buf = match lock {
+                Some(lock) => {
+                    let (buf, locked) = AlignedBuf::locked(len, lock);
+                    if locked {
+                        self.counters.locked_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                    }
+                    buf
+                }
+                None => AlignedBuf::new(len),
+            };
+            let buf = Arc::new(buf);
             for (x, plan) in le.plans.iter().enumerate() {
                 let req = LoadReq { layer: l, expert: x, speculative: false, target: Target::Plain };
                 let (load, jobs) = reader.start(req, plan, &buf, x * le.slot_bytes);

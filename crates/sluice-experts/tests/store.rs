@@ -96,6 +96,68 @@ fn every_residency_serves_the_files_bytes() {
     });
 }
 
+/// A page locker that records what it locks and unlocks (or refuses everything).
+struct Recorder {
+    refuse: bool,
+    locked: std::sync::Mutex<Vec<(usize, usize)>>,
+    unlocked: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl sluice_experts::PageLocker for Recorder {
+    fn lock(&self, ptr: *mut u8, len: usize) -> Option<Box<dyn Send + Sync>> {
+        if self.refuse {
+            return None;
+        }
+        self.locked.lock().unwrap().push((ptr as usize, len));
+        struct Guard(Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for Guard {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        Some(Box::new(Guard(self.unlocked.clone())))
+    }
+}
+
+/// A resident store locks each MoE layer's buffer once through the configured
+/// locker (page-aligned, whole), counts the bytes, serves the file's bytes from
+/// them, and unlocks every one when dropped; a locker that refuses leaves the store
+/// working, with nothing counted. Other residencies lock nothing.
+#[test]
+fn a_resident_store_locks_its_buffers_for_a_device() {
+    let moe = [true, false, true, true];
+    let m = Model::build("identity", ARRANGEMENTS[0], SMALL, &moe, 9);
+    for refuse in [false, true] {
+        let rec = Arc::new(Recorder { refuse, locked: Default::default(), unlocked: Arc::default() });
+        let lock = Some(sluice_experts::PageLock(rec.clone()));
+        let store =
+            open(&m, &StoreConfig { residency: Residency::Resident, page_lock: lock, ..StoreConfig::default() });
+        exercise(&m, &store, 31, 60);
+        let locked = rec.locked.lock().unwrap().clone();
+        let bytes = store.counters.locked_bytes.load(std::sync::atomic::Ordering::SeqCst);
+        if refuse {
+            assert!(locked.is_empty() && bytes == 0, "refused, yet {locked:?}, {bytes} bytes");
+        } else {
+            let layers: Vec<usize> = store.layout().moe_layers().collect();
+            assert_eq!(locked.len(), layers.len(), "one lock per MoE layer: {locked:?}");
+            let want: usize = layers.iter().map(|&l| store.layer_bytes(l) as usize).sum();
+            assert!(bytes as usize >= want, "{bytes} bytes counted, the experts take {want}");
+            for &(ptr, len) in &locked {
+                assert!(ptr % 4096 == 0 && len % 4096 == 0 && len > 0, "lock of {len} bytes at {ptr:#x}");
+            }
+        }
+        assert_eq!(rec.unlocked.load(std::sync::atomic::Ordering::SeqCst), 0, "unlocked while the store lives");
+        drop(store);
+        assert_eq!(rec.unlocked.load(std::sync::atomic::Ordering::SeqCst), locked.len(), "every lock let go");
+    }
+    for cfg in [StoreConfig::default(), streamed(SMALL.top_k + 1)] {
+        let rec = Arc::new(Recorder { refuse: false, locked: Default::default(), unlocked: Arc::default() });
+        let store = open(&m, &StoreConfig { page_lock: Some(sluice_experts::PageLock(rec.clone())), ..cfg });
+        exercise(&m, &store, 32, 30);
+        assert!(rec.locked.lock().unwrap().is_empty(), "{:?} locked buffers", store.residency());
+    }
+}
+
 #[test]
 fn reads_follow_the_layout() {
     // A packed expert is one read, a fused one two, a separate one three (with a

@@ -15,7 +15,7 @@ mod cpu;
 pub use cpu::{Cpu, HostAct, HostRouting};
 
 use sluice_core::{Activation, AttentionSpec, DeltaNetSpec, Error, Glu, KvLayout, Result, RopeSpec, RouterKind};
-use sluice_experts::ExpertStore;
+use sluice_experts::{ExpertStore, PageLock};
 use sluice_formats::TensorView;
 
 use crate::batch::{Batch, RowPrecision, SeqRows};
@@ -257,6 +257,18 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// total); by default the backend has no tier of its own and does nothing.
     fn adopt_experts(&self, _store: &ExpertStore, _progress: Option<&mut dyn FnMut(u64, u64)>) -> Result<()> {
         Ok(())
+    }
+    /// How a resident store's buffers are locked for this backend's copies from
+    /// them (a GPU's: its copies of experts its own tier misses then run at the link's
+    /// full rate); `None` (the default) for a backend that computes on them in place.
+    fn page_lock(&self) -> Option<PageLock> {
+        None
+    }
+    /// Bytes of experts the backend's own tier could take now, before a model's
+    /// other weights (see [`Backend::adopt_experts`]); `None` for a backend without
+    /// a tier of its own.
+    fn expert_room(&self) -> Result<Option<u64>> {
+        Ok(None)
     }
     /// What the backend's own expert tier did (see [`Backend::adopt_experts`]); `None`
     /// for a backend that has none and computes on the store's experts in place.
