@@ -60,16 +60,6 @@ __device__ __forceinline__ float h2f_hi(u32 w) { return h2f((u16)(w >> 16)); }
 // Byte k of a word's four, and its low or high nibble.
 __device__ __forceinline__ int byte_k(u32 w, int k) { return (w >> (8 * k)) & 255; }
 
-// A weight's integer code as a float, exactly as (float)c (|c| < 2^22). Variant 2:
-// by its bits, added to those of 1.5 * 2^23 (whose last mantissa bit is 2^0) and the
-// 1.5 * 2^23 taken away, two full-rate instructions instead of a conversion, which
-// runs at a fraction of the FMA rate.
-#if defined(SLUICE_VARIANT) && SLUICE_VARIANT == 2
-__device__ __forceinline__ float code_f(int c) { return __int_as_float(0x4B400000 + c) - 12582912.0f; }
-#else
-__device__ __forceinline__ float code_f(int c) { return (float)c; }
-#endif
-
 // Elements e..e+3 of a row (e a multiple of 4): four consecutive elements share one
 // block, one scale and one 4-byte run of codes in every format, so a warp's 32 lanes
 // read 128 consecutive elements with coalesced loads. `cols` bounds the plain
@@ -111,7 +101,7 @@ __device__ __forceinline__ void deq4(const u8* row, int e, int cols, float* v) {
         float d = h2f((u16)ld16(b));
         u32 q = ld32_2(b + 2 + i);
 #pragma unroll
-        for (int k = 0; k < 4; k++) v[k] = code_f((i8)byte_k(q, k)) * d;
+        for (int k = 0; k < 4; k++) v[k] = (float)(i8)byte_k(q, k) * d;
     } else if (F == F_Q4_0 || F == F_Q4_1 || F == F_Q5_0 || F == F_Q5_1 || F == F_MXFP4) {
         // Codes: element i's nibble is the low one of byte i for i < 16, the high one
         // of byte i - 16 after.
@@ -148,12 +138,12 @@ __device__ __forceinline__ void deq4(const u8* row, int e, int cols, float* v) {
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             int c = (byte_k(q, k) >> sh) & 15;
-            if (F == F_Q4_0) v[k] = d * code_f(c - 8);
-            else if (F == F_Q4_1) v[k] = d * code_f(c) + m;
+            if (F == F_Q4_0) v[k] = d * (float)(c - 8);
+            else if (F == F_Q4_1) v[k] = d * (float)c + m;
             // (int: the fifth bit comes from an unsigned word, and Q5_0 subtracts.)
-            else if (F == F_Q5_0) v[k] = d * code_f((c | (int)(((qh >> (i + k)) & 1) << 4)) - 16);
-            else if (F == F_Q5_1) v[k] = d * code_f(c | (int)(((qh >> (i + k)) & 1) << 4)) + m;
-            else v[k] = d * code_f(MXFP4_VALUES[c]);
+            else if (F == F_Q5_0) v[k] = d * (float)((c | (int)(((qh >> (i + k)) & 1) << 4)) - 16);
+            else if (F == F_Q5_1) v[k] = d * (float)(c | (int)(((qh >> (i + k)) & 1) << 4)) + m;
+            else v[k] = d * (float)MXFP4_VALUES[c];
         }
     } else if (F == F_Q4K || F == F_Q5K) {
         const u8* b = row + (F == F_Q4K ? 144 : 176) * (e >> 8);
@@ -161,7 +151,7 @@ __device__ __forceinline__ void deq4(const u8* row, int e, int cols, float* v) {
         u32 dm = ld32(b);
         int sc, mi;
         k_scale_min(b + 4, j, &sc, &mi);
-        float scale = h2f_lo(dm) * code_f(sc), mn = h2f_hi(dm) * code_f(mi);
+        float scale = h2f_lo(dm) * (float)sc, mn = h2f_hi(dm) * (float)mi;
         u32 q = ld32(b + (F == F_Q4K ? 16 : 48) + 32 * (j >> 1) + i);
         u32 qh = F == F_Q5K ? ld32(b + 16 + i) : 0;
         int sh = (j & 1) * 4;
@@ -169,20 +159,20 @@ __device__ __forceinline__ void deq4(const u8* row, int e, int cols, float* v) {
         for (int k = 0; k < 4; k++) {
             int c = (byte_k(q, k) >> sh) & 15;
             if (F == F_Q5K) c |= ((byte_k(qh, k) >> j) & 1) << 4;
-            v[k] = scale * code_f(c) - mn;
+            v[k] = scale * (float)c - mn;
         }
     } else if (F == F_Q6K) {
         const u8* b = row + 210 * (e >> 8);
         int ee = e & 255, h = ee >> 7, s = (ee & 127) >> 5;
         u32 ql = ld32_2(b + 64 * h + 32 * (s & 1) + i);
         u32 qh = ld32_2(b + 128 + 32 * h + i);
-        float scale = h2f((u16)ld16(b + 208)) * code_f(((const i8*)b)[192 + (ee >> 4)]);
+        float scale = h2f((u16)ld16(b + 208)) * (float)((const i8*)b)[192 + (ee >> 4)];
         int sh = s < 2 ? 0 : 4;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             int lo = (byte_k(ql, k) >> sh) & 15;
             int hi = (byte_k(qh, k) >> (2 * s)) & 3;
-            v[k] = scale * code_f((lo | (hi << 4)) - 32);
+            v[k] = scale * (float)((lo | (hi << 4)) - 32);
         }
     }
 }
@@ -202,7 +192,7 @@ __device__ __forceinline__ void deq_pair(const u8* row, int e, float* v) {
         k_scale_min(b + 4, j, &sc0, &m0);
         k_scale_min(b + 4, j + 1, &sc1, &m1);
         float d = h2f_lo(dm), dmin = h2f_hi(dm);
-        float s0 = d * code_f(sc0), n0 = dmin * code_f(m0), s1 = d * code_f(sc1), n1 = dmin * code_f(m1);
+        float s0 = d * (float)sc0, n0 = dmin * (float)m0, s1 = d * (float)sc1, n1 = dmin * (float)m1;
         u32 q = ld32(b + (F == F_Q4K ? 16 : 48) + 16 * j + i);
         u32 qh = F == F_Q5K ? ld32(b + 16 + i) : 0;
 #pragma unroll
@@ -212,8 +202,8 @@ __device__ __forceinline__ void deq_pair(const u8* row, int e, float* v) {
                 c0 |= ((byte_k(qh, k) >> j) & 1) << 4;
                 c1 |= ((byte_k(qh, k) >> (j + 1)) & 1) << 4;
             }
-            v[k] = s0 * code_f(c0) - n0;
-            v[4 + k] = s1 * code_f(c1) - n1;
+            v[k] = s0 * (float)c0 - n0;
+            v[4 + k] = s1 * (float)c1 - n1;
         }
     } else {
         const u8* b = row + 210 * (e >> 8);
@@ -221,12 +211,12 @@ __device__ __forceinline__ void deq_pair(const u8* row, int e, float* v) {
         u32 ql = ld32_2(b + 64 * h + 32 * s + i);
         u32 qh = ld32_2(b + 128 + 32 * h + i);
         float d = h2f((u16)ld16(b + 208));
-        float s0 = d * code_f(((const i8*)b)[192 + (ee >> 4)]), s1 = d * code_f(((const i8*)b)[192 + ((ee + 64) >> 4)]);
+        float s0 = d * (float)((const i8*)b)[192 + (ee >> 4)], s1 = d * (float)((const i8*)b)[192 + ((ee + 64) >> 4)];
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             int lo = byte_k(ql, k), hi = byte_k(qh, k);
-            v[k] = s0 * code_f(((lo & 15) | (((hi >> (2 * s)) & 3) << 4)) - 32);
-            v[4 + k] = s1 * code_f(((lo >> 4) | (((hi >> (2 * s + 4)) & 3) << 4)) - 32);
+            v[k] = s0 * (float)(((lo & 15) | (((hi >> (2 * s)) & 3) << 4)) - 32);
+            v[4 + k] = s1 * (float)(((lo >> 4) | (((hi >> (2 * s + 4)) & 3) << 4)) - 32);
         }
     }
 }

@@ -290,8 +290,13 @@ fn kl_and_top1(got: &[f32], want: &[f32], vocab: usize) -> (f64, f64) {
 /// The model at `path` on the GPU against the CPU: `len` tokens, the last `decoded` of
 /// them fed one at a time after the rest as one prompt. With both at
 /// `Precision::Accurate`, mean KL <= 0.005 and the same top token on at least 99% of
-/// rows; at the default precision, the KL bound alone (see
-/// `quantized_moe_against_the_cpu`). Returns the GPU's model.
+/// rows. At the default precision the CPU takes a prompt's rows at 8 bits, whose own
+/// error can pass that bound (gemma-3-270m's 8-bit rows against its 16-bit ones: mean
+/// KL 2.9e-2 on an H100's CPU), so the GPU at the default precision is held to the KL
+/// bound against the CPU run that quantizes as it does: the CPU at Accurate for the
+/// float products (their inputs are not quantized at any precision), the CPU at the
+/// default for `SLUICE_CUDA_PRODUCTS=int` (K-quant models: their inputs quantized as the
+/// CPU's are). Returns the GPU's model.
 fn gpu_against_cpu(what: &str, be: &Cuda, path: &Path, len: u32, decoded: usize) -> Model<Cuda> {
     let ckpt = Checkpoint::open(path).unwrap();
     let vocab = ckpt.spec.vocab_size;
@@ -310,15 +315,24 @@ fn gpu_against_cpu(what: &str, be: &Cuda, path: &Path, len: u32, decoded: usize)
     }
     let mut gpu_model = Model::load(be.clone(), &ckpt).unwrap();
     let mut cpu_model = Model::load(sluice_engine::backend::Cpu::default(), &ckpt).unwrap();
+    let mut cpu = |precision| {
+        cpu_model.precision = precision;
+        go(&mut feed(&cpu_model))
+    };
+    let (cpu_accurate, cpu_default) = (cpu(Some(Precision::Accurate)), cpu(None));
+    let (kl, _) = kl_and_top1(&cpu_default, &cpu_accurate, vocab);
+    eprintln!("{what}: the CPU's default precision against its Accurate one, mean KL {kl:.2e}");
+    let quantizes = be.integer_products(DType::Q4K);
     for precision in [Some(Precision::Accurate), None] {
-        (gpu_model.precision, cpu_model.precision) = (precision, precision);
-        let (g, c) = (go(&mut feed(&gpu_model)), go(&mut feed(&cpu_model)));
-        let (kl, top1) = kl_and_top1(&g, &c, vocab);
-        let what = format!("{what}, precision {precision:?}");
+        gpu_model.precision = precision;
+        let g = go(&mut feed(&gpu_model));
+        let c = if precision.is_none() && quantizes { &cpu_default } else { &cpu_accurate };
+        let (kl, top1) = kl_and_top1(&g, c, vocab);
+        let what = format!("{what}, GPU at precision {precision:?}");
         eprintln!(
-            "{what}: GPU against CPU, mean KL {kl:.2e}, top-1 {:.1}%, {:.2e} of the largest",
+            "{what}: against the CPU, mean KL {kl:.2e}, top-1 {:.1}%, {:.2e} of the largest",
             100.0 * top1,
-            rel_err(&g, &c)
+            rel_err(&g, c)
         );
         assert!(kl <= 0.005, "{what}: mean KL {kl} against the CPU");
         if precision.is_some() {
@@ -354,12 +368,9 @@ fn real_models_against_the_cpu() {
 /// on the GPU against the CPU on the same file, a 192-token prompt and 8 decoded
 /// tokens: mean KL <= 0.005 and the same top token on at least 99% of rows with both
 /// at `Precision::Accurate`; and batches of prompt chunks beside decode rows bitwise
-/// what each sequence gives alone. At the default precision the CPU takes a prompt's
-/// rows at 8 bits, whose own error is larger than the backends' difference (on
-/// tiny-gemma4 the CPU's 8-bit rows against its 16-bit ones: mean KL 7.4e-4, top-1
-/// 96.4%, as the GPU's f32 products against them), so there only the KL is bounded.
-/// (With `SLUICE_CUDA_PRODUCTS=int` the GPU's K-quant products multiply activations
-/// quantized as the CPU's are, at each row's precision.)
+/// what each sequence gives alone. At the default precision, as `gpu_against_cpu` says
+/// (on tiny-gemma4 the CPU's 8-bit prompt rows against its 16-bit ones: mean KL 7.4e-4,
+/// top-1 96.4%).
 #[test]
 fn quantized_moe_against_the_cpu() {
     let Some(be) = gpu() else { return };
@@ -385,7 +396,9 @@ fn quantized_moe_against_the_cpu() {
 /// its first layers so that a file is a few GB, and its default formats (Q4_K
 /// matrices, gpt-oss's experts in MXFP4, a Q6_K output): the GPU against the CPU on the
 /// same file as `gpu_against_cpu` compares them (192 prompt tokens and 8 decoded), and a
-/// batch bitwise its sequences alone. Tens of GB are written and read in all, so it
+/// batch bitwise its sequences alone; for DeepSeek-V3, whose latent attention heads of
+/// 576 dimensions the attention kernel does not take yet, the one clear error that
+/// says so. Tens of GB are written and read in all, so it
 /// runs when `SLUICE_GPU_GEOMETRIES` names the geometries (`all`, or a comma-separated
 /// list of names); unset, it says so and compares nothing.
 #[test]
@@ -425,6 +438,16 @@ fn every_moe_geometry_against_the_cpu() {
             from.elapsed().as_secs_f64()
         );
         let what = format!("{name} ({layers} layers)");
+        if name == "deepseek-v3" {
+            // Its latent attention's heads (512 latent dims and 64 of RoPE) are wider
+            // than the attention kernel takes (ATT_MAX_HEAD_DIM): one clear error.
+            let model = Model::load(be.clone(), &Checkpoint::open(&path).unwrap()).unwrap();
+            let err = model.session().unwrap().forward(&[1, 2, 3], Logits::All).unwrap_err().to_string();
+            eprintln!("{what}: {err}");
+            assert!(err.contains("576 dimensions"), "{what}: {err}");
+            let _ = std::fs::remove_file(&path);
+            continue;
+        }
         let gpu_model = gpu_against_cpu(&what, &be, &path, 200, 8);
         batch_is_alone(&what, &gpu_model, &(0..16).map(|i| i * 7 + 3).collect::<Vec<u32>>());
         drop(gpu_model);
