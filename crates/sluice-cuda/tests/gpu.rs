@@ -398,9 +398,9 @@ fn quantized_moe_against_the_cpu() {
 /// same file as `gpu_against_cpu` compares them (192 prompt tokens and 8 decoded), and a
 /// batch bitwise its sequences alone; for DeepSeek-V3, whose latent attention heads of
 /// 576 dimensions the attention kernel does not take yet, the one clear error that
-/// says so. Tens of GB are written and read in all, so it
-/// runs when `SLUICE_GPU_GEOMETRIES` names the geometries (`all`, or a comma-separated
-/// list of names); unset, it says so and compares nothing.
+/// says so. Tens of GB are written and read in all, so it runs when
+/// `SLUICE_GPU_GEOMETRIES` names the geometries (`all`, or a comma-separated list of
+/// names); unset, it says so and compares nothing.
 #[test]
 fn every_moe_geometry_against_the_cpu() {
     let Some(be) = gpu() else { return };
