@@ -263,6 +263,17 @@ impl Cuda {
     /// they leave.
     pub fn with_memory_limit(self, bytes: usize) -> Result<Cuda> {
         let (free, total) = self.dev.memory()?;
+        // Refused before any work rather than found out by the first allocation past
+        // what the card has.
+        if bytes > free {
+            return Err(Error::Usage(format!(
+                "--gpu-memory {}: more than the {} free on {} (of {})",
+                sluice_experts::human_bytes(bytes as u64),
+                sluice_experts::human_bytes(free as u64),
+                self.dev.name,
+                sluice_experts::human_bytes(total as u64)
+            )));
+        }
         Ok(Cuda { limit: Some((bytes, total - free)), ..self })
     }
 

@@ -456,6 +456,19 @@ fn every_moe_geometry_against_the_cpu() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--gpu-memory` past what the card has free is one clear error before any work, naming
+/// the size; within it, accepted.
+#[test]
+fn a_memory_limit_past_the_card_is_refused() {
+    let Some(be) = gpu() else { return };
+    let (free, total) = be.memory().unwrap();
+    let err = be.clone().with_memory_limit(total + (1 << 30)).err().expect("a limit past the card is refused");
+    let msg = err.to_string();
+    eprintln!("{msg}");
+    assert!(matches!(err, sluice_core::Error::Usage(_)) && msg.contains("--gpu-memory"), "{msg}");
+    assert!(be.with_memory_limit(free / 2).is_ok(), "half of the free memory refused");
+}
+
 /// The VRAM expert tier changes where experts come from, never the logits: the MoE
 /// fixtures with no tier (every expert copied at every use), a tier of a quarter of
 /// the experts (evicting) and an unbounded one give bitwise the same.
