@@ -298,24 +298,7 @@ fn choose_backend(e: &EngineArgs) -> Result<BackendArg> {
 fn load_model<B: Backend>(be: B, e: &EngineArgs) -> Result<Loaded<B>> {
     let t = Instant::now();
     let mut ckpt = Checkpoint::open(&e.model)?;
-    let (mut opts, placement) = load_options(e, &ckpt)?;
-    // A device tier that cannot hold every expert fills from host memory: `auto`
-    // then keeps them in page-locked memory (resident), which the device copies from
-    // at its link's full rate, rather than in the page cache, which it copies from
-    // through the driver's staging buffer.
-    if e.residency == ResidencyArg::Auto
-        && opts.store.residency == Residency::Mapped
-        && placement.expert_bytes > 0
-        && let Some(room) = be.expert_room()?
-        && placement.expert_bytes > room.saturating_sub(placement.resident_bytes)
-    {
-        eprintln!(
-            "residency auto: resident (experts {} in page-locked memory; the GPU has room for {} of them)",
-            human_bytes(placement.expert_bytes),
-            human_bytes(room.saturating_sub(placement.resident_bytes))
-        );
-        opts.store.residency = Residency::Resident;
-    }
+    let (opts, placement) = load_options(e, &ckpt, be.expert_room()?)?;
     let copy = placement.weights == WeightsPlace::Memory;
     let bar = |what: &'static str| {
         std::io::stderr().is_terminal().then(|| {
@@ -386,7 +369,7 @@ fn parse_size(flag: &str, s: &str, what: &str) -> Result<u64> {
 }
 
 /// The placement the flags ask for, with `auto` left to the planner.
-fn request(e: &EngineArgs) -> Result<Request> {
+fn request(e: &EngineArgs, device_room: Option<u64>) -> Result<Request> {
     Ok(Request {
         residency: match e.residency {
             ResidencyArg::Auto => None,
@@ -401,18 +384,23 @@ fn request(e: &EngineArgs) -> Result<Request> {
             WeightsArg::Mapped => Some(WeightsPlace::Mapped),
         },
         available: sluice_engine::memory::available(),
+        device_room,
     })
 }
 
 /// Turns the flags into load options, the planner deciding what they leave to `auto`
 /// (expert residency and cache size from the model's size and the memory available;
 /// whether the weights are copied into memory).
-fn load_options(e: &EngineArgs, ckpt: &Checkpoint) -> Result<(LoadOptions, Placement)> {
+fn load_options(e: &EngineArgs, ckpt: &Checkpoint, device_room: Option<u64>) -> Result<(LoadOptions, Placement)> {
     let layout = ExpertLayout::from_checkpoint(ckpt)?;
-    let placement = plan::place(ckpt, &layout, &request(e)?)?;
+    let placement = plan::place(ckpt, &layout, &request(e, device_room)?)?;
     // Only worth a line when the model does not simply sit in the page cache.
-    if let Some(note) = &placement.note {
-        eprintln!("residency auto: streamed, expert cache {} ({note})", human_bytes(placement.cache_bytes));
+    match (&placement.note, placement.residency) {
+        (Some(note), Residency::Streamed) => {
+            eprintln!("residency auto: streamed, expert cache {} ({note})", human_bytes(placement.cache_bytes))
+        }
+        (Some(note), r) => eprintln!("residency auto: {} ({note})", r.name()),
+        (None, _) => {}
     }
     let residency = placement.residency;
     let pin = e.pin_hot.as_deref().map(RoutingHistogram::load).transpose()?;
@@ -1333,7 +1321,7 @@ pub fn plan(a: PlanArgs) -> Result<()> {
     let threads = init_threads(a.engine.threads)?;
     let ckpt = Checkpoint::open(&a.engine.model)?;
     let layout = ExpertLayout::from_checkpoint(&ckpt)?;
-    let (opts, at) = load_options(&a.engine, &ckpt)?;
+    let (opts, at) = load_options(&a.engine, &ckpt, None)?;
     let hist = a.routing.as_deref().map(RoutingHistogram::load).transpose()?;
     let profile = plan::Profile::of(&ckpt, &layout);
     if let Some(h) = &hist {

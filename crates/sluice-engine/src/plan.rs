@@ -35,6 +35,14 @@ pub struct Request {
     pub weights: Option<WeightsPlace>,
     /// Bytes this process may take ([`crate::memory::available`]); `None` if unknown.
     pub available: Option<u64>,
+    /// Bytes of experts the backend's own tier could take ([`Backend::expert_room`]);
+    /// `None` for a backend without one. Where the model's other weights leave it too
+    /// little for every expert, `auto` keeps the experts resident when the model fits
+    /// in memory (a device copies its misses from there, page-locked) instead of in the
+    /// page cache.
+    ///
+    /// [`Backend::expert_room`]: crate::backend::Backend::expert_room
+    pub device_room: Option<u64>,
 }
 
 /// Where each part of a model lives.
@@ -55,7 +63,7 @@ pub struct Placement {
     /// Slots of each MoE layer's cache (streamed), or its experts.
     pub slots_per_layer: usize,
     pub experts_per_layer: usize,
-    /// Why `auto` chose streamed, when it did.
+    /// Why `auto` chose streamed or resident, when it did.
     pub note: Option<String>,
 }
 
@@ -88,7 +96,17 @@ pub fn place(ckpt: &Checkpoint, layout: &ExpertLayout, req: &Request) -> Result<
             return Err(Error::Usage("--expert-cache goes with --residency streamed or auto".into()));
         }
         Some(r) => r,
-        None if budget.is_none() && fits(total_bytes) => Residency::Mapped,
+        None if budget.is_none() && fits(total_bytes) => match req.device_room {
+            Some(room) if expert_bytes > room.saturating_sub(resident_bytes) => {
+                note = Some(format!(
+                    "experts {} in page-locked memory; the device has room for {} of them",
+                    human_bytes(expert_bytes),
+                    human_bytes(room.saturating_sub(resident_bytes))
+                ));
+                Residency::Resident
+            }
+            _ => Residency::Mapped,
+        },
         None => {
             note = Some(format!(
                 "model {}, experts {}, memory available {}",

@@ -36,6 +36,16 @@ fn auto_maps_what_fits_and_streams_what_does_not() {
     assert_eq!(tight.cache_bytes, layout.min_budget_bytes());
     assert_eq!(tight.slots_per_layer, layout.min_slots_per_layer());
     assert!(tight.note.as_deref().unwrap().contains("memory available"));
+    // A device tier too small for every expert: resident (page-locked for its
+    // copies) where the model fits in memory, saying why; room for all: mapped.
+    let device = |room| Request { available: Some(total * 10), device_room: Some(room), ..Default::default() };
+    let short = plan::place(&ckpt, &layout, &device(total - 1)).unwrap();
+    assert_eq!(short.residency, Residency::Resident);
+    assert!(short.note.as_deref().unwrap().contains("page-locked"), "{:?}", short.note);
+    let ample = plan::place(&ckpt, &layout, &device(total)).unwrap();
+    assert_eq!((ample.residency, ample.note), (Residency::Mapped, None));
+    let tight_device = Request { available: Some(total / 2), device_room: Some(0), ..Default::default() };
+    assert_eq!(plan::place(&ckpt, &layout, &tight_device).unwrap().residency, Residency::Streamed);
     // Unknown memory: nothing is assumed to fit.
     let unknown = plan::place(&ckpt, &layout, &Request::default()).unwrap();
     assert_eq!((unknown.residency, unknown.weights), (Residency::Streamed, WeightsPlace::Mapped));

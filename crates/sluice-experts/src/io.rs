@@ -57,12 +57,15 @@ impl AlignedBuf {
     }
 
     /// As [`AlignedBuf::new`], its pages then locked by `lock` where it can (the
-    /// buffer stays pageable where it cannot). Returns whether they were.
-    pub fn locked(len: usize, lock: &crate::PageLock) -> (AlignedBuf, bool) {
+    /// buffer stays pageable where it cannot: see [`AlignedBuf::is_locked`]).
+    pub fn locked(len: usize, lock: &crate::PageLock) -> AlignedBuf {
         let mut b = AlignedBuf::new(len);
         b.locked = lock.0.lock(b.ptr.as_ptr(), Self::layout(len).size());
-        let ok = b.locked.is_some();
-        (b, ok)
+        b
+    }
+
+    pub fn is_locked(&self) -> bool {
+        self.locked.is_some()
     }
 
     fn layout(len: usize) -> Layout {

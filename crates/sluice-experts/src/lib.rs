@@ -494,17 +494,10 @@ impl ExpertStore {
                 continue;
             };
             let len = le.experts.len() * le.slot_bytes;
-            let buf = match lock {
-                Some(lock) => {
-                    let (buf, locked) = AlignedBuf::locked(len, lock);
-                    if locked {
-                        self.counters.locked_bytes.fetch_add(len as u64, Ordering::Relaxed);
-                    }
-                    buf
-                }
-                None => AlignedBuf::new(len),
-            };
-            let buf = Arc::new(buf);
+            let buf = Arc::new(lock.map_or_else(|| AlignedBuf::new(len), |lock| AlignedBuf::locked(len, lock)));
+            if buf.is_locked() {
+                self.counters.locked_bytes.fetch_add(len as u64, Ordering::Relaxed);
+            }
             for (x, plan) in le.plans.iter().enumerate() {
                 let req = LoadReq { layer: l, expert: x, speculative: false, target: Target::Plain };
                 let (load, jobs) = reader.start(req, plan, &buf, x * le.slot_bytes);
