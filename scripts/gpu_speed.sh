@@ -10,8 +10,9 @@ m=${SPEED_MODEL:-/tmp/q30.gguf}
 # SPEED_BIN: another build to time (a baseline), devbin/sluice by default.
 bin=${SPEED_BIN:-devbin/sluice}
 [ -f "$m" ] || devbin/sluice synth --geometry qwen3-30b-a3b --skew 0.9 --out "$m" >/dev/null || exit 1
-# The bench invocation every measurement below shares.
-bench=("$bin" bench -m "$m" --backend cuda --residency resident --no-roofline)
+# The bench invocation every measurement below shares (all but SPEED_TIER's resident).
+base=("$bin" bench -m "$m" --backend cuda --no-roofline)
+bench=("${base[@]}" --residency resident)
 b() {
     "${bench[@]}" --json "$@" 2>/dev/null | tail -1 |
         python3 -c 'import json, sys; j = json.load(sys.stdin); print("prefill %.1f tok/s, decode %.2f tok/s (%.2f per sequence)" % (j["prefill_tok_s"], j["decode_tok_s"], j["decode_tok_s_per_sequence"]))'
@@ -25,7 +26,7 @@ echo "decode:        $(b --prompt-tokens 512 --gen-tokens 64)"
 # page cache (mapped, pageable) and from the store's page-locked copy (resident).
 if [ -n "${SPEED_TIER:-}" ]; then
     for r in mapped resident; do
-        echo "tier $SPEED_TIER, $r: $("${bench[@]/resident/$r}" --json --gpu-memory "$SPEED_TIER" --prompt-tokens 64 --gen-tokens 64 2>/dev/null | tail -1 |
+        echo "tier $SPEED_TIER, $r: $("${base[@]}" --residency "$r" --json --gpu-memory "$SPEED_TIER" --prompt-tokens 64 --gen-tokens 64 2>/dev/null | tail -1 |
             python3 -c 'import json, sys; j = json.load(sys.stdin); print("decode %.2f tok/s" % j["decode_tok_s"])')"
     done
 fi
