@@ -23,11 +23,16 @@ echo "decode:        $(b --prompt-tokens 512 --gen-tokens 64)"
 [ "${SPEED_ONLY:-}" = decode ] || echo "8 sequences:   $(b --prompt-tokens 64 --gen-tokens 32 --parallel 8)"
 # SPEED_TIER=SIZE: decode with the device taking at most SIZE (`--gpu-memory`), so the
 # VRAM tier holds part of the experts and fills the rest from host memory: from the
-# page cache (mapped, pageable) and from the store's page-locked copy (resident).
+# page cache (mapped, pageable) and from the store's page-locked copy (resident);
+# SPEED_TIER_RESIDENCY and SPEED_TIER_POLICY (`--cache-policy`, lru by default) name
+# others. The tier's traffic (hits, copies from the host) follows each line.
 if [ -n "${SPEED_TIER:-}" ]; then
-    for r in mapped resident; do
-        echo "tier $SPEED_TIER, $r: $("${base[@]}" --residency "$r" --json --gpu-memory "$SPEED_TIER" --prompt-tokens 64 --gen-tokens 64 2>/dev/null | tail -1 |
-            python3 -c 'import json, sys; j = json.load(sys.stdin); print("decode %.2f tok/s" % j["decode_tok_s"])')"
+    for r in ${SPEED_TIER_RESIDENCY:-mapped resident}; do
+        for p in ${SPEED_TIER_POLICY:-lru}; do
+            echo "tier $SPEED_TIER, $r, $p: $("${base[@]}" --residency "$r" --cache-policy "$p" --json --gpu-memory "$SPEED_TIER" --prompt-tokens 64 --gen-tokens 64 2>/tmp/tier.err | tail -1 |
+                python3 -c 'import json, sys; j = json.load(sys.stdin); print("decode %.2f tok/s" % j["decode_tok_s"])')"
+            grep -h "GPU experts" /tmp/tier.err | tail -1
+        done
     done
 fi
 if [ -n "${SPEED_TRACE:-}" ]; then

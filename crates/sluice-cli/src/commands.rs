@@ -247,7 +247,7 @@ macro_rules! with_backend {
                 $body
             }
             BackendArg::Cuda => {
-                let mut be = sluice_cuda::Cuda::open(0)?;
+                let mut be = sluice_cuda::Cuda::open(0)?.with_expert_policy(policy_of($e.cache_policy));
                 if let Some(m) = &$e.gpu_memory {
                     be = be.with_memory_limit(parse_size("--gpu-memory", m, "not a size (24GiB)")? as usize)?;
                 }
@@ -280,6 +280,13 @@ macro_rules! with_backend {
             BackendArg::Auto => unreachable!("choose_backend resolves auto"),
         }
     };
+}
+
+fn policy_of(p: PolicyArg) -> Policy {
+    match p {
+        PolicyArg::Lru => Policy::Lru,
+        PolicyArg::Lfu => Policy::Lfu,
+    }
 }
 
 /// `--backend`, with `auto` resolved: CUDA where a GPU can be used, else the CPU.
@@ -413,10 +420,7 @@ fn load_options(e: &EngineArgs, ckpt: &Checkpoint, device_room: Option<u64>) -> 
     let store = StoreConfig {
         residency,
         budget: placement.budget,
-        policy: match e.cache_policy {
-            PolicyArg::Lru => Policy::Lru,
-            PolicyArg::Lfu => Policy::Lfu,
-        },
+        policy: policy_of(e.cache_policy),
         pin,
         read_threads: e.read_threads,
         direct_io: !e.no_direct_io,

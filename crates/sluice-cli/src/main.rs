@@ -81,7 +81,8 @@ pub struct EngineArgs {
     /// Read experts ahead: off, or pilot (probe the next layer's router)
     #[arg(long, value_enum, default_value_t = PrefetchArg::Off)]
     pub prefetch: PrefetchArg,
-    /// Which cached expert a miss evicts
+    /// Which cached expert a miss evicts, in the host's expert cache (streamed) and in
+    /// the GPU's VRAM tier: the least recently used, or the least often
     #[arg(long, value_enum, default_value_t = PolicyArg::Lru)]
     pub cache_policy: PolicyArg,
     /// Pin each layer's most-used experts, from a histogram saved by --record-routing

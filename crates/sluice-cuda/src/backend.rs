@@ -11,10 +11,11 @@ use sluice_engine::backend::{
     AttnOp, Backend, DeltaOp, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols,
 };
 use sluice_engine::batch::{Batch, RowPrecision, SeqRows};
-use sluice_experts::{ExpertLease, ExpertStore, FetchMode, PageLock};
+use sluice_experts::{ExpertLease, ExpertStore, FetchMode, PageLock, Policy};
 use sluice_formats::TensorView;
 
 use crate::device::{Device, HostLocker, Scratch, elementwise, fail, format_suffix, grid, launch};
+use crate::tier::{TierKey, TierPolicy};
 
 /// A row-major `[rows, cols]` f32 matrix in device memory.
 pub struct DevAct {
@@ -157,13 +158,15 @@ struct ExpertTables {
     down: CudaSlice<u64>,
 }
 
-/// Experts kept in device memory after their first use, least recently used out
-/// first, while the GPU keeps [`VRAM_HEADROOM`] free (or within an explicit budget).
+/// Experts kept in device memory after their first use, given up in the order of
+/// the tier's policy (least recently used first, or least often), while the GPU keeps
+/// [`VRAM_HEADROOM`] free (or within an explicit budget).
 #[derive(Default)]
 struct VramTier {
     map: HashMap<TierKey, (Arc<DevExpert>, u64)>,
     bytes: usize,
     tick: u64,
+    policy: TierPolicy,
     stats: ExpertTraffic,
     /// Experts held per (store, layer), to see when a layer is whole.
     held: HashMap<(u64, usize), usize>,
@@ -180,9 +183,9 @@ impl VramTier {
         }
     }
 
-    /// Drops the least recently used expert; its bytes, or `None` if none is held.
-    fn evict_oldest(&mut self) -> Option<usize> {
-        let (&old, _) = self.map.iter().min_by_key(|(_, (_, used))| *used)?;
+    /// Drops the expert the policy gives up; its bytes, or `None` if none is held.
+    fn evict(&mut self) -> Option<usize> {
+        let old = self.policy.victim(self.map.iter().map(|(k, (_, used))| (*k, *used)))?;
         let (gone, _) = self.map.remove(&old).expect("just found");
         self.bytes -= gone.bytes();
         self.stats.evictions += 1;
@@ -194,16 +197,16 @@ impl VramTier {
     }
 }
 
-/// An expert of a layer of an expert store.
-type TierKey = (u64, usize, usize);
-
 /// Device memory the VRAM tier leaves free for KV caches and activations.
 const VRAM_HEADROOM: usize = 4 << 30;
 
-/// Warps of an attention block, and the largest head it takes (`ATT_WARPS`,
-/// `ATT_DIMS` x 32 in kernels.cu).
+/// Warps of an attention block (`ATT_WARPS` in kernels.cu).
 const ATT_WARPS: usize = 4;
-const ATT_MAX_HEAD_DIM: usize = 512;
+/// kernels.cu's attention entry points by the widest head each takes, narrowest
+/// first: a lane keeps width / 32 sums in registers, so a model takes the narrowest
+/// that fits its heads (the sums, and so the bits, are the same in each).
+const ATT_KERNELS: [(usize, &str); 3] = [(128, "attention_128"), (256, "attention_256"), (576, "attention_576")];
+const ATT_MAX_HEAD_DIM: usize = ATT_KERNELS[ATT_KERNELS.len() - 1].0;
 
 /// The blocks attention splits a row's `len` positions over, as kernels.cu's
 /// `att_split_len` cuts them: runs of 64, longer once there would be more than 16.
@@ -292,7 +295,20 @@ impl Cuda {
     /// The same GPU with a VRAM expert tier of its own, bounded to `bytes` (0: no
     /// tier, every expert copied from the host at each use).
     pub fn with_expert_budget(&self, bytes: usize) -> Cuda {
-        Cuda { tier: Arc::default(), tier_budget: Some(bytes), ..self.clone() }
+        Cuda { tier: self.fresh_tier(), tier_budget: Some(bytes), ..self.clone() }
+    }
+
+    /// The same GPU with a VRAM expert tier of its own that gives up experts as
+    /// `policy` orders (`--cache-policy`): the least recently used, or the least used.
+    pub fn with_expert_policy(&self, policy: Policy) -> Cuda {
+        let tier = VramTier { policy: TierPolicy::new(policy), ..Default::default() };
+        Cuda { tier: Arc::new(Mutex::new(tier)), ..self.clone() }
+    }
+
+    /// An empty VRAM tier with this one's policy.
+    fn fresh_tier(&self) -> Arc<Mutex<VramTier>> {
+        let policy = self.tier.lock().unwrap_or_else(|e| e.into_inner()).policy.policy();
+        Arc::new(Mutex::new(VramTier { policy: TierPolicy::new(policy), ..Default::default() }))
     }
 
     /// Bytes of experts the VRAM tier may hold beyond what it holds now, and those
@@ -310,8 +326,8 @@ impl Cuda {
         Ok(room)
     }
 
-    /// Keeps `x` as expert `key` in the VRAM tier if it fits, evicting the least
-    /// recently used.
+    /// Keeps `x` as expert `key` in the VRAM tier if it fits, evicting as the tier's
+    /// policy orders.
     fn keep(&self, key: TierKey, x: Arc<DevExpert>) -> Result<()> {
         let need = x.bytes();
         let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
@@ -319,7 +335,7 @@ impl Cuda {
         // them as free now.
         let mut room = self.room(&t)?;
         while room < need {
-            let Some(gone) = t.evict_oldest() else { return Ok(()) };
+            let Some(gone) = t.evict() else { return Ok(()) };
             room += gone;
         }
         t.insert(key, x);
@@ -704,6 +720,8 @@ impl Cuda {
 fn outputs_per_block(rows: usize, cols: usize) -> usize {
     match rows {
         _ if cols % 4 != 0 => 1,
+        // Under measurement: eight (kernels.cu under the same variant).
+        1 if crate::device::variant() == Some(32) => 8,
         1 => 4,
         2 => 2,
         _ => 1,
@@ -1230,11 +1248,11 @@ impl Backend for Cuda {
         let ring: Vec<i32> = op.caches.iter().map(|c| c.window.unwrap_or(0) as i32).collect();
         let (kc, vc, ring, meta) =
             (self.constant(&kc)?, self.constant(&vc)?, self.constant(&ring)?, self.constant(&meta)?);
-        if hd > ATT_MAX_HEAD_DIM {
+        let Some(&(_, kernel)) = ATT_KERNELS.iter().find(|(width, _)| hd <= *width) else {
             return Err(Error::Unsupported(format!(
                 "cuda: attention heads of {hd} dimensions (at most {ATT_MAX_HEAD_DIM})"
             )));
-        }
+        };
         let part = self.dev.scratch::<f32>(rows * s.n_heads * splits * (hd + 2))?;
         let cfg = cudarc::driver::LaunchConfig {
             grid_dim: (s.n_heads as u32, rows as u32, splits as u32),
@@ -1242,7 +1260,7 @@ impl Backend for Cuda {
             shared_mem_bytes: ((hd + ATT_WARPS * (hd + 2)) * 4) as u32,
         };
         let window = s.window.unwrap_or(0) as i32;
-        launch!(&self.dev, "attention", cfg;
+        launch!(&self.dev, kernel, cfg;
             self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), kc, vc, ring,
             meta, chosen, s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
             splits as i32, self.p(&part))?;
@@ -1322,6 +1340,7 @@ impl Backend for Cuda {
             t.tick += 1;
             let tick = t.tick;
             for &e in ids {
+                t.policy.used((store.id(), layer, e));
                 match t.map.get_mut(&(store.id(), layer, e)) {
                     Some((x, used)) => {
                         *used = tick;

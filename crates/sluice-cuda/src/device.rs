@@ -78,7 +78,7 @@ impl Unit {
     fn defines(self) -> Vec<String> {
         // A developer's choice among kernel variants under measurement (kernels.cu's
         // SLUICE_VARIANT).
-        let variant = std::env::var("SLUICE_CUDA_VARIANT").ok().map(|v| format!("-DSLUICE_VARIANT={v}"));
+        let variant = variant().map(|v| format!("-DSLUICE_VARIANT={v}"));
         let mut d = self.format_defines();
         d.extend(variant);
         d
@@ -536,6 +536,13 @@ macro_rules! launch {
 }
 pub(crate) use launch;
 
+/// A developer's choice among kernel variants under measurement
+/// (`SLUICE_CUDA_VARIANT`, kernels.cu's `SLUICE_VARIANT`), read once.
+pub(crate) fn variant() -> Option<u32> {
+    static VARIANT: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    *VARIANT.get_or_init(|| std::env::var("SLUICE_CUDA_VARIANT").ok().and_then(|v| v.parse().ok()))
+}
+
 /// Kernel names by weight format.
 pub(crate) fn format_suffix(d: DType) -> &'static str {
     use DType::*;
@@ -588,7 +595,9 @@ fn kernel_names(unit: Unit) -> Vec<String> {
             "norm_rope",
             "rope",
             "kv_write",
-            "attention",
+            "attention_128",
+            "attention_256",
+            "attention_576",
             "attention_merge",
             "delta_conv",
             "delta_rule",

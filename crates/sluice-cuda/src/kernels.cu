@@ -353,7 +353,7 @@ __device__ __forceinline__ void mm_block(const u8* row, int cols, int nr, X xrow
 template <int F, class X, class Y>
 __device__ __forceinline__ void mm_block_outputs(const u8* const* row, int ro, int cols, int nr, X xrow, Y store) {
     float acc[8];
-    int step = ro == 4 ? 1 : 2;
+    int step = ro >= 4 ? 1 : 2;
     for (int r0 = 0; r0 < nr; r0 += step) {
         if (r0 > 0) __syncthreads();  // block_sums' shared sums, read before written again
         int n = min(step, nr - r0);
@@ -362,6 +362,13 @@ __device__ __forceinline__ void mm_block_outputs(const u8* const* row, int ro, i
         if (ro == 4) {
             rows_loop<F, 1, 4>(row, cols, n, x, acc);
             block_sums<4>(acc, n, y);
+#if defined(SLUICE_VARIANT) && SLUICE_VARIANT == 32
+        } else if (ro == 8) {
+            // Under measurement: eight outputs of one row a block (the backend's
+            // outputs_per_block under SLUICE_CUDA_VARIANT=32).
+            rows_loop<F, 1, 8>(row, cols, n, x, acc);
+            block_sums<8>(acc, n, y);
+#endif
         } else {
             if (n == 1) rows_loop<F, 1, 2>(row, cols, n, x, acc);
             else rows_loop<F, 2, 2>(row, cols, n, x, acc);
@@ -372,9 +379,14 @@ __device__ __forceinline__ void mm_block_outputs(const u8* const* row, int ro, i
 
 // The weight rows of a block's outputs o0..o0 + ro, each at `base + o * row_bytes`;
 // those past `out` repeat the last (computed, not stored).
+#if defined(SLUICE_VARIANT) && SLUICE_VARIANT == 32
+#define MAX_OUTPUTS 8
+#else
+#define MAX_OUTPUTS 4
+#endif
 __device__ __forceinline__ void out_rows(const u8* base, long long row_bytes, int o0, int ro, int out,
                                          const u8** row) {
-    for (int j = 0; j < 4; j++) row[j] = base + (long long)min(o0 + min(j, ro - 1), out - 1) * row_bytes;
+    for (int j = 0; j < MAX_OUTPUTS; j++) row[j] = base + (long long)min(o0 + min(j, ro - 1), out - 1) * row_bytes;
 }
 
 struct DenseX {
@@ -443,7 +455,7 @@ template <int F>
 __device__ void mm_outputs(const Many& m, int cols, const float* x, int n, int ro) {
     ManyPick p = many_pick(m, ro);
     int r0 = blockIdx.y * MM_ROWS;
-    const u8* row[4];
+    const u8* row[MAX_OUTPUTS];
     out_rows((const u8*)p.w, p.row_bytes, p.o, ro, p.out, row);
     mm_block_outputs<F>(row, ro, cols, min(MM_ROWS, n - r0), DenseX{x, cols, r0},
                         DenseY{(float*)p.y, p.out, p.o, r0});
@@ -502,7 +514,7 @@ __device__ void mm_grouped_outputs(const Many& m, int cols, const float* x, cons
     ManyPick p = many_pick(m, ro);
     Work it = work[blockIdx.y];
     if (it.n == 0) return;
-    const u8* row[4];
+    const u8* row[MAX_OUTPUTS];
     out_rows((const u8*)((const unsigned long long*)p.w)[it.expert], p.row_bytes, p.o, ro, p.out, row);
     mm_block_outputs<F>(row, ro, cols, it.n, GatherX{x, xrow, cols, it.start},
                         ScatterY{(float*)p.y, yrow, p.out, p.o, it.start});
@@ -1025,10 +1037,11 @@ __device__ __forceinline__ int att_len(RowMeta m, int window) {
     return m.pos + 1 - lo;
 }
 
-// Warps per attention block; the most head dimensions a lane accumulates (32 lanes
-// x 16: heads of up to 512); the most blocks one row's positions are split over.
+// Warps per attention block; the most blocks one row's positions are split over.
+// The head dimensions a lane accumulates are the kernel's template parameter DIMS
+// (32 lanes x DIMS: attention_128, _256 and _576 below), so that a model with small
+// heads keeps no registers for wide ones; a lane's sums do not depend on DIMS.
 #define ATT_WARPS 4
-#define ATT_DIMS 16
 #define ATT_MAX_SPLITS 16
 // Positions a warp takes at once (the loop in attention); SLUICE_CUDA_VARIANT=1, 8 or
 // 16 for the measurement of one, eight or sixteen (a 64-position split's warp has 16).
@@ -1056,10 +1069,12 @@ __device__ __forceinline__ int att_split_len(int len) {
 // head's dimensions (coalesced reads of each key and value row). `part` holds zdim
 // partials of hd + 2 floats per (row, head); dynamic shared memory hd + ATT_WARPS *
 // (hd + 2) floats.
-extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new,
-                                     const unsigned long long* kc, const unsigned long long* vc, const int* ring,
-                                     const RowMeta* meta, const unsigned* sel, int n_heads, int n_kv_heads, int hd,
-                                     float scale, int window, float cap, int zdim, float* part) {
+template <int DIMS>
+__device__ __forceinline__ void attention_dims(const float* q, const float* k_new, const float* v_new,
+                                               const unsigned long long* kc, const unsigned long long* vc,
+                                               const int* ring, const RowMeta* meta, const unsigned* sel,
+                                               int n_heads, int n_kv_heads, int hd, float scale, int window,
+                                               float cap, int zdim, float* part) {
     extern __shared__ float smem[];
     float* qs = smem;
     int h = blockIdx.x, row = blockIdx.y, split = blockIdx.z;
@@ -1079,9 +1094,9 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
     __syncthreads();
     const float NEG = __int_as_float(0xff800000);  // -inf
     float mx = NEG, l = 0.0f;
-    float acc[ATT_DIMS];
+    float acc[DIMS];
 #pragma unroll
-    for (int i = 0; i < ATT_DIMS; i++) acc[i] = 0.0f;
+    for (int i = 0; i < DIMS; i++) acc[i] = 0.0f;
     // ATT_GROUP of the warp's positions at a time: their keys' loads issued together,
     // their scores reduced together, one rescale of the sums for the group, their
     // values' loads issued together (a position at a time, each waiting on its own
@@ -1121,7 +1136,7 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
             l += p[g];
         }
 #pragma unroll
-        for (int i = 0; i < ATT_DIMS; i++) {
+        for (int i = 0; i < DIMS; i++) {
             int d = lane + 32 * i;
             if (d < hd) {
                 float a = acc[i] * c;
@@ -1139,7 +1154,7 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
         wp[1] = l;
     }
 #pragma unroll
-    for (int i = 0; i < ATT_DIMS; i++) {
+    for (int i = 0; i < DIMS; i++) {
         int d = lane + 32 * i;
         if (d < hd) wp[2 + d] = acc[i];
     }
@@ -1165,6 +1180,22 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
         pp[1] = L;
     }
 }
+
+// The entry points, by the widest head each takes (the backend picks the narrowest
+// that fits): 128 (Qwen, Llama), 256 (Gemma 3, Gemma 4's sliding layers), 576
+// (Gemma 4's global 512, DeepSeek-V3's latent 512 + 64 RoPE).
+#define ATTENTION_ENTRY(NAME, DIMS)                                                                         \
+    extern "C" __global__ void NAME(const float* q, const float* k_new, const float* v_new,                \
+                                    const unsigned long long* kc, const unsigned long long* vc,            \
+                                    const int* ring, const RowMeta* meta, const unsigned* sel, int n_heads, \
+                                    int n_kv_heads, int hd, float scale, int window, float cap, int zdim,  \
+                                    float* part) {                                                         \
+        attention_dims<DIMS>(q, k_new, v_new, kc, vc, ring, meta, sel, n_heads, n_kv_heads, hd, scale,     \
+                             window, cap, zdim, part);                                                     \
+    }
+ATTENTION_ENTRY(attention_128, 4)
+ATTENTION_ENTRY(attention_256, 8)
+ATTENTION_ENTRY(attention_576, 18)
 
 // out[row, head] = the join of the row's attention partials, in split order. Grid
 // (heads, rows), block 128. `sinks` (may be null): one logit per head that joins the

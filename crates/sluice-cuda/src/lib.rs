@@ -16,13 +16,15 @@
 //!   host;
 //! - routed experts copied to the device at load when all of them fit, else at first
 //!   use from the host store (any residency) and kept in a VRAM tier, least recently
-//!   used out first; pinned host buffers, copies overlapping compute, the pilot's
-//!   read-ahead into VRAM and CUDA graphs come next;
+//!   or least often used out first (`tier.rs`), copied from page-locked host memory
+//!   when the store is resident; copies overlapping compute, the pilot's read-ahead
+//!   into VRAM and CUDA graphs come next;
 //! - products on CUDA cores (a block of four warps per output row, eight input rows
 //!   per pass over the weights), not yet tensor cores.
 
 mod backend;
 mod device;
+mod tier;
 
 pub use backend::{Cuda, DevAct, DevExperts, DevKv, DevMat, DevRouting, DevVector};
 pub use device::{Unit, compile, probe};

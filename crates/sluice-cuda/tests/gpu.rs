@@ -15,8 +15,8 @@ use sluice_cuda::Cuda;
 use sluice_engine::backend::{Backend, Norm, RouterOp};
 use sluice_engine::batch::{Batch, RowPrecision};
 use sluice_engine::model::StepStats;
-use sluice_engine::{Chunk, LoadOptions, Logits, Model};
-use sluice_experts::{Residency, StoreConfig};
+use sluice_engine::{Chunk, LoadOptions, Logits, Model, Prefetch};
+use sluice_experts::{CacheBudget, Residency, StoreConfig};
 use sluice_formats::Checkpoint;
 use sluice_formats::synth::{Geometry, Synth, SynthOptions};
 
@@ -396,9 +396,9 @@ fn quantized_moe_against_the_cpu() {
 /// its first layers so that a file is a few GB, and its default formats (Q4_K
 /// matrices, gpt-oss's experts in MXFP4, a Q6_K output): the GPU against the CPU on the
 /// same file as `gpu_against_cpu` compares them (192 prompt tokens and 8 decoded), and a
-/// batch bitwise its sequences alone; for DeepSeek-V3, whose latent attention heads of
-/// 576 dimensions the attention kernel does not take yet, the one clear error that
-/// says so. Tens of GB are written and read in all, so it runs when
+/// batch bitwise its sequences alone (DeepSeek-V3's latent attention heads are 576
+/// dimensions wide, the widest the attention kernels take). Tens of GB are written
+/// and read in all, so it runs when
 /// `SLUICE_GPU_GEOMETRIES` names the geometries (`all`, or a comma-separated list of
 /// names); unset, it says so and compares nothing.
 #[test]
@@ -438,16 +438,6 @@ fn every_moe_geometry_against_the_cpu() {
             from.elapsed().as_secs_f64()
         );
         let what = format!("{name} ({layers} layers)");
-        if name == "deepseek-v3" {
-            // Its latent attention's heads (512 latent dims and 64 of RoPE) are wider
-            // than the attention kernel takes (ATT_MAX_HEAD_DIM): one clear error.
-            let model = Model::load(be.clone(), &Checkpoint::open(&path).unwrap()).unwrap();
-            let err = model.session().unwrap().forward(&[1, 2, 3], Logits::All).unwrap_err().to_string();
-            eprintln!("{what}: {err}");
-            assert!(err.contains("576 dimensions"), "{what}: {err}");
-            let _ = std::fs::remove_file(&path);
-            continue;
-        }
         let gpu_model = gpu_against_cpu(&what, &be, &path, 200, 8);
         batch_is_alone(&what, &gpu_model, &(0..16).map(|i| i * 7 + 3).collect::<Vec<u32>>());
         drop(gpu_model);
@@ -471,7 +461,8 @@ fn a_memory_limit_past_the_card_is_refused() {
 
 /// The VRAM expert tier changes where experts come from, never the logits: the MoE
 /// fixtures with no tier (every expert copied at every use), a tier of a quarter of
-/// the experts (evicting) and an unbounded one give bitwise the same.
+/// the experts (evicting) and an unbounded one give bitwise the same, with the rest
+/// mapped, resident (page-locked) or streamed from disk (with and without the pilot).
 #[test]
 fn vram_tier_sizes_agree_bitwise() {
     let Some(be) = gpu() else { return };
@@ -515,6 +506,28 @@ fn vram_tier_sizes_agree_bitwise() {
         // auto` chooses where the tier cannot hold them all).
         let locked = run_with(be.with_expert_budget(all / 4 * expert), Residency::Resident);
         assert!(locked == unbounded, "{name}: a quarter in VRAM, the rest page-locked, differs from an unbounded tier");
+        // A quarter in VRAM, the rest streamed from disk through a cache of top-k
+        // slots a layer, with and without the pilot reading the next layer's picks
+        // ahead.
+        let top_k = moe[0].1.top_k;
+        for prefetch in [Prefetch::Off, Prefetch::Pilot] {
+            let store = StoreConfig {
+                residency: Residency::Streamed,
+                budget: Some(CacheBudget::SlotsPerLayer(top_k)),
+                ..Default::default()
+            };
+            let opts = LoadOptions { store, prefetch, ..Default::default() };
+            let model = Model::load_with(be.with_expert_budget(all / 4 * expert), &ckpt, &opts, None).unwrap();
+            let mut s = model.session().unwrap();
+            let mut streamed = s.forward(&tokens[..9], Logits::All).unwrap();
+            for &t in &tokens[9..] {
+                streamed.extend(s.forward(&[t], Logits::All).unwrap());
+            }
+            assert!(
+                streamed == unbounded,
+                "{name}: a quarter in VRAM, the rest streamed (prefetch {prefetch:?}), differs from an unbounded tier"
+            );
+        }
         let t = small.expert_traffic().unwrap();
         eprintln!("{name}, a quarter of the experts in VRAM: {t:?}");
         assert!(t.vram_hits > 0 && t.evictions > 0, "{name}: the tier was neither hit nor full: {t:?}");
