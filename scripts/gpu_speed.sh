@@ -25,13 +25,16 @@ echo "decode:        $(b --prompt-tokens 512 --gen-tokens 64)"
 # VRAM tier holds part of the experts and fills the rest from host memory: from the
 # page cache (mapped, pageable) and from the store's page-locked copy (resident);
 # SPEED_TIER_RESIDENCY and SPEED_TIER_POLICY (`--cache-policy`, lru by default) name
-# others. The tier's traffic (hits, copies from the host) follows each line.
+# others, SPEED_TIER_PREFETCH `--prefetch` (off, or pilot: copies a layer ahead; both
+# timed when it names both). The tier's traffic (hits, copies) follows each line.
 if [ -n "${SPEED_TIER:-}" ]; then
     for r in ${SPEED_TIER_RESIDENCY:-mapped resident}; do
         for p in ${SPEED_TIER_POLICY:-lru}; do
-            echo "tier $SPEED_TIER, $r, $p: $("${base[@]}" --residency "$r" --cache-policy "$p" --json --gpu-memory "$SPEED_TIER" --prompt-tokens 64 --gen-tokens 64 2>/tmp/tier.err | tail -1 |
-                python3 -c 'import json, sys; j = json.load(sys.stdin); print("decode %.2f tok/s" % j["decode_tok_s"])')"
-            grep -h "GPU experts" /tmp/tier.err | tail -1
+            for f in ${SPEED_TIER_PREFETCH:-off}; do
+                echo "tier $SPEED_TIER, $r, $p, prefetch $f: $("${base[@]}" --residency "$r" --cache-policy "$p" --prefetch "$f" --json --gpu-memory "$SPEED_TIER" --prompt-tokens 64 --gen-tokens 64 2>/tmp/tier.err | tail -1 |
+                    python3 -c 'import json, sys; j = json.load(sys.stdin); print("decode %.2f tok/s" % j["decode_tok_s"])')"
+                grep -h "GPU experts" /tmp/tier.err | tail -1
+            done
         done
     done
 fi

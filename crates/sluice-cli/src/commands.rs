@@ -265,11 +265,12 @@ macro_rules! with_backend {
                 if t.vram_hits + t.host_fills + t.whole_layers > 0 {
                     eprintln!(
                         "GPU experts: {} copied at load, {} layer steps wholly in VRAM, {} more from VRAM, {} copied \
-                         from the host ({}), {} evicted, {} held",
+                         from the host as needed and {} ahead ({} in all), {} evicted, {} held",
                         t.adopted,
                         t.whole_layers,
                         t.vram_hits,
                         t.host_fills,
+                        t.prefetched,
                         human_bytes(t.fill_bytes),
                         t.evictions,
                         human_bytes(t.vram_bytes)

@@ -11,7 +11,7 @@ use sluice_engine::backend::{
     AttnOp, Backend, DeltaOp, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols,
 };
 use sluice_engine::batch::{Batch, RowPrecision, SeqRows};
-use sluice_experts::{ExpertLease, ExpertStore, FetchMode, PageLock, Policy};
+use sluice_experts::{ExpertLease, ExpertStore, FetchMode, PageLock, Policy, Residency};
 use sluice_formats::TensorView;
 
 use crate::device::{Device, HostLocker, Scratch, elementwise, fail, format_suffix, grid, launch};
@@ -172,6 +172,10 @@ struct VramTier {
     held: HashMap<(u64, usize), usize>,
     /// The address tables of the whole layers (dropped when one of theirs is evicted).
     whole: HashMap<(u64, usize), Arc<LayerTable>>,
+    /// Reached by the copy stream once the last prefetch's copies are done (the
+    /// stream is in order, so it covers every earlier one): the compute stream waits
+    /// for it before it reads a held expert or frees an evicted one.
+    pending: Option<cudarc::driver::CudaEvent>,
 }
 
 impl VramTier {
@@ -186,13 +190,18 @@ impl VramTier {
     /// Drops the expert the policy gives up; its bytes, or `None` if none is held.
     fn evict(&mut self) -> Option<usize> {
         let old = self.policy.victim(self.map.iter().map(|(k, (_, used))| (*k, *used)))?;
-        let (gone, _) = self.map.remove(&old).expect("just found");
-        self.bytes -= gone.bytes();
         self.stats.evictions += 1;
-        if let Some(n) = self.held.get_mut(&(old.0, old.1)) {
+        self.remove(old)
+    }
+
+    /// Drops expert `key`; its bytes, or `None` if it is not held.
+    fn remove(&mut self, key: TierKey) -> Option<usize> {
+        let (gone, _) = self.map.remove(&key)?;
+        self.bytes -= gone.bytes();
+        if let Some(n) = self.held.get_mut(&(key.0, key.1)) {
             *n -= 1;
         }
-        self.whole.remove(&(old.0, old.1));
+        self.whole.remove(&(key.0, key.1));
         Some(gone.bytes())
     }
 }
@@ -329,17 +338,38 @@ impl Cuda {
     /// Keeps `x` as expert `key` in the VRAM tier if it fits, evicting as the tier's
     /// policy orders.
     fn keep(&self, key: TierKey, x: Arc<DevExpert>) -> Result<()> {
-        let need = x.bytes();
         let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
-        // Evicted experts are freed when the last step using them lets go; count
-        // them as free now.
-        let mut room = self.room(&t)?;
+        if self.make_room(&mut t, x.bytes(), &[])? {
+            t.insert(key, x);
+        }
+        Ok(())
+    }
+
+    /// Evicts as the tier's policy orders until `need` bytes fit, but none of
+    /// `spare`; whether they fit. Evicted experts are freed when the last step using
+    /// them lets go (on the compute stream, after any prefetch copying into them):
+    /// they count as free now.
+    fn make_room(&self, t: &mut VramTier, need: usize, spare: &[TierKey]) -> Result<bool> {
+        let mut room = self.room(t)?;
         while room < need {
-            let Some(gone) = t.evict() else { return Ok(()) };
+            let held = t.map.iter().map(|(k, (_, used))| (*k, *used));
+            match t.policy.victim(held) {
+                Some(k) if !spare.contains(&k) => {}
+                _ => return Ok(false),
+            }
+            self.await_prefetch(t)?;
+            let Some(gone) = t.evict() else { return Ok(false) };
             room += gone;
         }
-        t.insert(key, x);
-        Ok(())
+        Ok(true)
+    }
+
+    /// Orders the compute stream after the prefetch copies queued so far.
+    fn await_prefetch(&self, t: &mut VramTier) -> Result<()> {
+        match t.pending.take() {
+            Some(ev) => self.dev.compute_after(&ev),
+            None => Ok(()),
+        }
     }
 
     /// The address tables of `exs` (expert id and matrices) for a layer of
@@ -1325,6 +1355,7 @@ impl Backend for Cuda {
     }
 
     fn fetch_routed<'s>(&self, store: &'s ExpertStore, layer: usize, routing: &DevRouting) -> Result<DevExperts<'s>> {
+        self.await_prefetch(&mut self.tier.lock().unwrap_or_else(|e| e.into_inner()))?;
         if let Some(w) = self.whole_layer((store.id(), layer), store.n_experts(layer))? {
             self.tier.lock().unwrap_or_else(|e| e.into_inner()).stats.whole_layers += 1;
             return Ok(DevExperts::Whole(w));
@@ -1337,6 +1368,7 @@ impl Backend for Cuda {
         let (mut held, mut missing) = (Vec::new(), Vec::new());
         {
             let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
+            self.await_prefetch(&mut t)?;
             t.tick += 1;
             let tick = t.tick;
             for &e in ids {
@@ -1354,6 +1386,81 @@ impl Backend for Cuda {
         let lease =
             if missing.is_empty() { None } else { Some(store.fetch_with(layer, &missing, FetchMode::Stream)?) };
         Ok(DevExperts::Some { key: (store.id(), layer), held, lease })
+    }
+
+    /// Copies the pilot's picks that the tier lacks into it on the copy stream, most
+    /// picked first, while room lasts without giving up another of them. Only from a
+    /// resident store, whose page-locked buffers the copy engine reads after this
+    /// returns; a mapped store's pages would be staged by the host (holding it back
+    /// from queuing this layer's work), and a streamed store's reads are the store's
+    /// own read-ahead.
+    fn prefetch_experts(&self, store: &ExpertStore, layer: usize, ids: &[usize]) -> Result<()> {
+        if store.residency() != Residency::Resident || self.tier_budget == Some(0) {
+            return Ok(());
+        }
+        let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
+        let missing: Vec<usize> =
+            ids.iter().copied().filter(|&e| !t.map.contains_key(&(store.id(), layer, e))).collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let lease = store.fetch_with(layer, &missing, FetchMode::Stream)?;
+        let taken = missing.iter().map(|&e| Ok((e, lease.take(e)?))).collect::<Result<Vec<_>>>()?;
+        // Each expert kept as its buffers are allocated (so that the tier's room counts
+        // it), copied below; (device address, host bytes) of each copy.
+        let mut keys: Vec<TierKey> = Vec::new();
+        let mut copies: Vec<(u64, &[u8])> = Vec::new();
+        let mut kept = || -> Result<()> {
+            for (e, taken) in &taken {
+                let m = taken.mats();
+                let need = m.gate.data.len() + m.up.data.len() + m.down.data.len();
+                if !self.make_room(&mut t, need, &keys)? {
+                    break;
+                }
+                let empty = |m: sluice_core::MatRef<'_>| -> Result<DevMat> {
+                    Ok(DevMat {
+                        dtype: m.dtype,
+                        rows: m.rows,
+                        cols: m.cols,
+                        row_bytes: m.row_bytes(),
+                        buf: self.dev.alloc_bytes(m.data.len())?,
+                    })
+                };
+                let x = DevExpert { gate: empty(m.gate)?, up: empty(m.up)?, down: empty(m.down)? };
+                for (d, h) in [(&x.gate, m.gate), (&x.up, m.up), (&x.down, m.down)] {
+                    copies.push((self.p(&d.buf), h.data));
+                }
+                keys.push((store.id(), layer, *e));
+                t.insert((store.id(), layer, *e), Arc::new(x));
+            }
+            if copies.is_empty() {
+                return Ok(());
+            }
+            // The copies wait for their buffers' allocations on the compute stream; the
+            // compute stream waits for the copies before it reads one or frees one
+            // (await_prefetch).
+            self.dev.copies_after_compute()?;
+            for &(dst, host) in &copies {
+                // SAFETY: a resident store's buffers live and stay as they are as long
+                // as the store, which outlives its model's steps (and the context's
+                // sync before it unlocks them); `dst` was allocated for `host` above
+                // and is read only after the compute stream waits for `pending`.
+                unsafe { self.dev.copy_ahead(host, dst)? };
+            }
+            t.pending = Some(self.dev.copies_done()?);
+            t.stats.prefetched += keys.len() as u64;
+            t.stats.fill_bytes += copies.iter().map(|(_, h)| h.len() as u64).sum::<u64>();
+            Ok(())
+        };
+        let done = kept();
+        if done.is_err() {
+            // Nothing half-copied stays in the tier, nor is freed under a copy.
+            let _ = self.dev.copies.synchronize();
+            for k in keys {
+                t.remove(k);
+            }
+        }
+        done
     }
 
     fn experts_ready(&self, experts: &DevExperts<'_>) -> Result<()> {

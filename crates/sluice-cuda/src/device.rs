@@ -178,6 +178,9 @@ pub(crate) fn fail(what: &str, e: impl std::fmt::Display) -> Error {
 pub(crate) struct Device {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
+    /// Copies of experts into the VRAM tier ahead of their use (the pilot's picks),
+    /// beside the kernels of `stream`; ordered against it by events.
+    pub copies: Arc<CudaStream>,
     capability: (i32, i32),
     kernels: Mutex<HashMap<String, CudaFunction>>,
     loaded: Mutex<Vec<Unit>>,
@@ -199,6 +202,7 @@ impl Device {
         // SAFETY: set before any buffer is allocated.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
+        let copies = ctx.new_stream().map_err(|e| fail("creating a copy stream", e))?;
         let capability = ctx.compute_capability().map_err(|e| fail("reading the compute capability", e))?;
         let name = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
         let trace = std::env::var("SLUICE_CUDA_TRACE")
@@ -207,6 +211,7 @@ impl Device {
         let dev = Device {
             ctx,
             stream,
+            copies,
             capability,
             kernels: Mutex::default(),
             loaded: Mutex::default(),
@@ -328,6 +333,46 @@ impl Device {
         self.copy_in(host, &mut d)?;
         self.traced("upload", from)?;
         Ok(d)
+    }
+
+    /// `len` bytes allocated in the order of the compute stream (so that they are freed
+    /// after its last use of them), to be filled on the copy stream by
+    /// [`Device::copy_ahead`] once [`Device::copies_after_compute`] has ordered it.
+    pub fn alloc_bytes(&self, len: usize) -> Result<CudaSlice<u8>> {
+        self.alloc::<u8>(len)
+    }
+
+    /// Makes the copy stream wait for what the compute stream has queued so far (the
+    /// allocations the copies fill).
+    pub fn copies_after_compute(&self) -> Result<()> {
+        let ev = self.stream.record_event(None).map_err(|e| fail("recording an event", e))?;
+        self.copies.wait(&ev).map_err(|e| fail("ordering the copy stream", e))
+    }
+
+    /// Copies `host` into device memory at `dst` on the copy stream.
+    ///
+    /// # Safety
+    /// `host` stays allocated and unchanged until the copy stream has passed this copy
+    /// (page-locked memory is read after this returns), and `dst` holds `host.len()`
+    /// bytes that nothing reads before then.
+    pub unsafe fn copy_ahead(&self, host: &[u8], dst: u64) -> Result<()> {
+        if !host.is_empty() {
+            self.ctx.bind_to_thread().map_err(|e| fail("binding the context", e))?;
+            // SAFETY: as the caller promises.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, host, self.copies.cu_stream()) }
+                .map_err(|e| fail(&format!("copying {} bytes to the GPU ahead", host.len()), e))?;
+        }
+        Ok(())
+    }
+
+    /// An event the copy stream reaches once every copy queued on it so far is done.
+    pub fn copies_done(&self) -> Result<cudarc::driver::CudaEvent> {
+        self.copies.record_event(None).map_err(|e| fail("recording an event", e))
+    }
+
+    /// Makes the compute stream wait for `ev` (copies it is about to read).
+    pub fn compute_after(&self, ev: &cudarc::driver::CudaEvent) -> Result<()> {
+        self.stream.wait(ev).map_err(|e| fail("ordering the compute stream after copies", e))
     }
 
     pub fn download<T: DeviceRepr + Default + Clone>(&self, d: &CudaSlice<T>, len: usize) -> Result<Vec<T>> {

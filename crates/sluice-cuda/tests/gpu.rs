@@ -462,7 +462,8 @@ fn a_memory_limit_past_the_card_is_refused() {
 /// The VRAM expert tier changes where experts come from, never the logits: the MoE
 /// fixtures with no tier (every expert copied at every use), a tier of a quarter of
 /// the experts (evicting) and an unbounded one give bitwise the same, with the rest
-/// mapped, resident (page-locked) or streamed from disk (with and without the pilot).
+/// mapped, resident (page-locked; with the pilot copying ahead on the copy stream) or
+/// streamed from disk (with and without the pilot).
 #[test]
 fn vram_tier_sizes_agree_bitwise() {
     let Some(be) = gpu() else { return };
@@ -506,6 +507,26 @@ fn vram_tier_sizes_agree_bitwise() {
         // auto` chooses where the tier cannot hold them all).
         let locked = run_with(be.with_expert_budget(all / 4 * expert), Residency::Resident);
         assert!(locked == unbounded, "{name}: a quarter in VRAM, the rest page-locked, differs from an unbounded tier");
+        // The same with the pilot copying its picks for the next layer into the tier
+        // on the copy stream, beside the computation.
+        let ahead = be.with_expert_budget(all / 4 * expert);
+        let opts = LoadOptions {
+            store: StoreConfig { residency: Residency::Resident, ..Default::default() },
+            prefetch: Prefetch::Pilot,
+            ..Default::default()
+        };
+        let model = Model::load_with(ahead.clone(), &ckpt, &opts, None).unwrap();
+        let mut s = model.session().unwrap();
+        let mut piloted = s.forward(&tokens[..9], Logits::All).unwrap();
+        for &t in &tokens[9..] {
+            piloted.extend(s.forward(&[t], Logits::All).unwrap());
+        }
+        let t = ahead.expert_traffic().unwrap();
+        eprintln!("{name}, a quarter in VRAM, copies ahead: {t:?}");
+        assert!(t.prefetched > 0, "{name}: the pilot copied nothing ahead: {t:?}");
+        assert!(piloted == unbounded, "{name}: a quarter in VRAM with copies ahead differs from an unbounded tier");
+        drop(s);
+        drop(model);
         // A quarter in VRAM, the rest streamed from disk through a cache of top-k
         // slots a layer, with and without the pilot reading the next layer's picks
         // ahead.

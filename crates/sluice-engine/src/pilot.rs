@@ -1,6 +1,7 @@
 //! Next-layer router probes (`--prefetch pilot`): as a MoE layer starts, the next
 //! MoE layer's router is applied to the same residual, and the experts it picks are
-//! read ahead while this layer computes, the ones most rows picked first (a prompt
+//! read ahead while this layer computes (from disk by the store, and into a device's
+//! own tier by the backend), the ones most rows picked first (a prompt
 //! chunk picks more experts than a layer's cache has slots: the read-ahead fills the
 //! slots it finds, and the rest stream as that layer computes). The probes are the
 //! engine's, not the families': any layer built on [`crate::moe::Moe`] gets them.
@@ -64,6 +65,7 @@ impl<B: Backend> Cx<'_, B> {
         ids.sort_by_cached_key(|&e| std::cmp::Reverse(count(e)));
         sluice_experts::trace(|| format!("probe L{} n={}", layer + 1, ids.len()));
         self.store.prefetch(layer + 1, &ids);
+        self.be.prefetch_experts(self.store, layer + 1, &ids)?;
         if let Some(p) = self.pilot.as_mut() {
             p.stats.probes += 1;
             p.stats.predicted += ids.len() as u64;

@@ -130,6 +130,9 @@ pub struct ExpertTraffic {
     pub whole_layers: u64,
     /// Experts copied to the tier before their first use, when all of them fit.
     pub adopted: u64,
+    /// Experts copied into the tier ahead of their layer, as the pilot predicted them
+    /// (`--prefetch pilot`), beside the computation.
+    pub prefetched: u64,
     /// Bytes the tier holds now.
     pub vram_bytes: u64,
 }
@@ -274,6 +277,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// for a backend that has none and computes on the store's experts in place.
     fn expert_traffic(&self) -> Option<ExpertTraffic> {
         None
+    }
+    /// Starts copying experts `ids` of `layer` (the pilot's picks for the next
+    /// layer, most picked first) into the backend's own tier, without waiting for
+    /// them: the copies run beside this layer's computation. By default nothing (a
+    /// backend without a tier reads the store's experts in place).
+    fn prefetch_experts(&self, _store: &ExpertStore, _layer: usize, _ids: &[usize]) -> Result<()> {
+        Ok(())
     }
     /// Blocks until every one of `experts` is available, or one cannot be.
     fn experts_ready(&self, experts: &Self::Experts<'_>) -> Result<()>;
