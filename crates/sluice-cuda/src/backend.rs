@@ -187,11 +187,9 @@ impl VramTier {
         }
     }
 
-    /// Drops the expert the policy gives up; its bytes, or `None` if none is held.
-    fn evict(&mut self) -> Option<usize> {
-        let old = self.policy.victim(self.map.iter().map(|(k, (_, used))| (*k, *used)))?;
-        self.stats.evictions += 1;
-        self.remove(old)
+    /// An empty tier that gives up experts as `policy` orders, to share.
+    fn shared(policy: Policy) -> Arc<Mutex<VramTier>> {
+        Arc::new(Mutex::new(VramTier { policy: TierPolicy::new(policy), ..Default::default() }))
     }
 
     /// Drops expert `key`; its bytes, or `None` if it is not held.
@@ -310,14 +308,12 @@ impl Cuda {
     /// The same GPU with a VRAM expert tier of its own that gives up experts as
     /// `policy` orders (`--cache-policy`): the least recently used, or the least used.
     pub fn with_expert_policy(&self, policy: Policy) -> Cuda {
-        let tier = VramTier { policy: TierPolicy::new(policy), ..Default::default() };
-        Cuda { tier: Arc::new(Mutex::new(tier)), ..self.clone() }
+        Cuda { tier: VramTier::shared(policy), ..self.clone() }
     }
 
     /// An empty VRAM tier with this one's policy.
     fn fresh_tier(&self) -> Arc<Mutex<VramTier>> {
-        let policy = self.tier.lock().unwrap_or_else(|e| e.into_inner()).policy.policy();
-        Arc::new(Mutex::new(VramTier { policy: TierPolicy::new(policy), ..Default::default() }))
+        VramTier::shared(self.tier.lock().unwrap_or_else(|e| e.into_inner()).policy.policy())
     }
 
     /// Bytes of experts the VRAM tier may hold beyond what it holds now, and those
@@ -353,13 +349,10 @@ impl Cuda {
         let mut room = self.room(t)?;
         while room < need {
             let held = t.map.iter().map(|(k, (_, used))| (*k, *used));
-            match t.policy.victim(held) {
-                Some(k) if !spare.contains(&k) => {}
-                _ => return Ok(false),
-            }
+            let Some(gone) = t.policy.victim(held).filter(|k| !spare.contains(k)) else { return Ok(false) };
             self.await_prefetch(t)?;
-            let Some(gone) = t.evict() else { return Ok(false) };
-            room += gone;
+            t.stats.evictions += 1;
+            room += t.remove(gone).unwrap_or(0);
         }
         Ok(true)
     }
