@@ -17,8 +17,9 @@
 //! - routed experts copied to the device at load when all of them fit, else at first
 //!   use from the host store (any residency) and kept in a VRAM tier, least recently
 //!   or least often used out first (`tier.rs`), copied from page-locked host memory
-//!   when the store is resident; copies overlapping compute, the pilot's read-ahead
-//!   into VRAM and CUDA graphs come next;
+//!   when the store is resident; with `--prefetch pilot` the next layer's predicted
+//!   experts are copied on a second stream beside the computation (misses the pilot
+//!   did not predict are still copied on the compute stream); CUDA graphs come next;
 //! - products on CUDA cores (a block of four warps per output row, eight input rows
 //!   per pass over the weights), not yet tensor cores.
 
