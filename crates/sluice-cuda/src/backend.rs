@@ -215,6 +215,16 @@ const ATT_WARPS: usize = 4;
 const ATT_KERNELS: [(usize, &str); 3] = [(128, "attention_128"), (256, "attention_256"), (576, "attention_576")];
 const ATT_MAX_HEAD_DIM: usize = ATT_KERNELS[ATT_KERNELS.len() - 1].0;
 
+/// The attention kernel for heads of `hd` dimensions: the narrowest that takes them.
+fn attention_kernel(hd: usize) -> Result<&'static str> {
+    match ATT_KERNELS.iter().find(|(width, _)| hd <= *width) {
+        Some(&(_, kernel)) => Ok(kernel),
+        None => {
+            Err(Error::Unsupported(format!("cuda: attention heads of {hd} dimensions (at most {ATT_MAX_HEAD_DIM})")))
+        }
+    }
+}
+
 /// The blocks attention splits a row's `len` positions over, as kernels.cu's
 /// `att_split_len` cuts them: runs of 64, longer once there would be more than 16.
 fn attention_splits(len: usize) -> usize {
@@ -1271,11 +1281,7 @@ impl Backend for Cuda {
         let ring: Vec<i32> = op.caches.iter().map(|c| c.window.unwrap_or(0) as i32).collect();
         let (kc, vc, ring, meta) =
             (self.constant(&kc)?, self.constant(&vc)?, self.constant(&ring)?, self.constant(&meta)?);
-        let Some(&(_, kernel)) = ATT_KERNELS.iter().find(|(width, _)| hd <= *width) else {
-            return Err(Error::Unsupported(format!(
-                "cuda: attention heads of {hd} dimensions (at most {ATT_MAX_HEAD_DIM})"
-            )));
-        };
+        let kernel = attention_kernel(hd)?;
         let part = self.dev.scratch::<f32>(rows * s.n_heads * splits * (hd + 2))?;
         let cfg = cudarc::driver::LaunchConfig {
             grid_dim: (s.n_heads as u32, rows as u32, splits as u32),
@@ -1570,8 +1576,34 @@ impl Backend for Cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::{MANY_MATS, Many, MatDesc, attention_splits};
+    use super::{ATT_KERNELS, MANY_MATS, Many, MatDesc, attention_kernel, attention_splits};
+    use crate::device::{Unit, kernel_names};
     use sluice_core::DType;
+
+    /// Heads take the narrowest attention kernel that fits them (Qwen's 128, Gemma's
+    /// 256 and 512, DeepSeek-V3's latent 576), wider ones one clear error; and each
+    /// kernel is one the common unit compiles and loads.
+    #[test]
+    fn heads_take_the_narrowest_attention_kernel() {
+        for (hd, want) in
+            [(64, "attention_128"), (128, "attention_128"), (192, "attention_256"), (256, "attention_256")]
+                .into_iter()
+                .chain([(512, "attention_576"), (576, "attention_576")])
+        {
+            assert_eq!(attention_kernel(hd).unwrap(), want, "heads of {hd}");
+        }
+        let err = attention_kernel(640).unwrap_err().to_string();
+        assert!(err.contains("640 dimensions") && err.contains("at most 576"), "{err}");
+        // Each is one of the common unit's, defined in kernels.cu with width / 32 sums
+        // a lane.
+        let common = kernel_names(Unit::Common);
+        let source = include_str!("kernels.cu");
+        for (width, k) in ATT_KERNELS {
+            assert!(common.iter().any(|c| c == k), "{k} is not among the common unit's kernels");
+            let entry = format!("ATTENTION_ENTRY({k}, {})", width / 32);
+            assert!(source.contains(&entry), "kernels.cu lacks {entry}");
+        }
+    }
 
     /// One launch takes the leading matrices of the first one's format, at most
     /// MANY_MATS; each matrix's blocks follow the one before, and the unused slots end

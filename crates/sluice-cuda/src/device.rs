@@ -608,7 +608,7 @@ pub(crate) fn format_suffix(d: DType) -> &'static str {
 }
 
 /// The kernels of unit `unit`.
-fn kernel_names(unit: Unit) -> Vec<String> {
+pub(crate) fn kernel_names(unit: Unit) -> Vec<String> {
     let d = match unit {
         Unit::Format(d) => {
             // The integer products exist for the K-quants only (kernels.cu).
