@@ -178,6 +178,16 @@ struct VramTier {
     pending: Option<cudarc::driver::CudaEvent>,
 }
 
+impl Drop for VramTier {
+    fn drop(&mut self) {
+        // The held experts are freed on the compute stream, which nothing orders
+        // after copies still under way into them: wait for those first.
+        if let Some(ev) = &self.pending {
+            let _ = ev.synchronize();
+        }
+    }
+}
+
 impl VramTier {
     fn insert(&mut self, key: TierKey, x: Arc<DevExpert>) {
         self.tick += 1;
@@ -189,7 +199,9 @@ impl VramTier {
 
     /// An empty tier that gives up experts as `policy` orders, to share.
     fn shared(policy: Policy) -> Arc<Mutex<VramTier>> {
-        Arc::new(Mutex::new(VramTier { policy: TierPolicy::new(policy), ..Default::default() }))
+        let mut t = VramTier::default();
+        t.policy = TierPolicy::new(policy);
+        Arc::new(Mutex::new(t))
     }
 
     /// Drops expert `key`; its bytes, or `None` if it is not held.
