@@ -84,6 +84,13 @@ pub struct DevMat {
     buf: CudaSlice<u8>,
 }
 
+impl DevMat {
+    /// Device bytes `buf` as a matrix of `m`'s format and shape.
+    fn shaped(m: sluice_core::MatRef<'_>, buf: CudaSlice<u8>) -> DevMat {
+        DevMat { dtype: m.dtype, rows: m.rows, cols: m.cols, row_bytes: m.row_bytes(), buf }
+    }
+}
+
 /// A parameter vector, on the device and (for the host-side router) on the host.
 pub struct DevVector {
     host: Vec<f32>,
@@ -613,13 +620,7 @@ impl Cuda {
 
     /// A host weight matrix's bytes on the device (an expert, for now at every use).
     pub fn upload_mat(&self, m: sluice_core::MatRef<'_>) -> Result<DevMat> {
-        Ok(DevMat {
-            dtype: m.dtype,
-            rows: m.rows,
-            cols: m.cols,
-            row_bytes: m.row_bytes(),
-            buf: self.dev.upload(m.data)?,
-        })
+        Ok(DevMat::shaped(m, self.dev.upload(m.data)?))
     }
 
     fn desc(&self, m: &DevMat) -> MatDesc {
@@ -1428,15 +1429,8 @@ impl Backend for Cuda {
                 if !self.make_room(&mut t, need, &keys)? {
                     break;
                 }
-                let empty = |m: sluice_core::MatRef<'_>| -> Result<DevMat> {
-                    Ok(DevMat {
-                        dtype: m.dtype,
-                        rows: m.rows,
-                        cols: m.cols,
-                        row_bytes: m.row_bytes(),
-                        buf: self.dev.alloc_bytes(m.data.len())?,
-                    })
-                };
+                let empty =
+                    |m: sluice_core::MatRef<'_>| Ok::<_, Error>(DevMat::shaped(m, self.dev.alloc_bytes(m.data.len())?));
                 let x = DevExpert { gate: empty(m.gate)?, up: empty(m.up)?, down: empty(m.down)? };
                 for (d, h) in [(&x.gate, m.gate), (&x.up, m.up), (&x.down, m.down)] {
                     copies.push((self.p(&d.buf), h.data));

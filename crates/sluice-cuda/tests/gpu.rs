@@ -473,10 +473,10 @@ fn vram_tier_sizes_agree_bitwise() {
         let ckpt = Checkpoint::open(&dir).unwrap();
         // The store's experts mapped, or in its host memory (resident), page-locked
         // for the device's copies.
-        let run_with = |be: Cuda, residency: Residency| {
-            let opts = LoadOptions { store: StoreConfig { residency, ..Default::default() }, ..Default::default() };
-            let model = Model::load_with(be, &ckpt, &opts, None).unwrap();
-            if residency == Residency::Resident {
+        // The logits of a 9-token prompt and the rest decoded one at a time.
+        let logits_of = |be: Cuda, opts: &LoadOptions| {
+            let model = Model::load_with(be, &ckpt, opts, None).unwrap();
+            if opts.store.residency == Residency::Resident {
                 let locked = model.store.counters.locked_bytes.load(std::sync::atomic::Ordering::Relaxed);
                 assert!(locked > 0, "{name}: a resident store's experts were not page-locked");
             }
@@ -486,6 +486,9 @@ fn vram_tier_sizes_agree_bitwise() {
                 out.extend(s.forward(&[t], Logits::All).unwrap());
             }
             out
+        };
+        let run_with = |be: Cuda, residency: Residency| {
+            logits_of(be, &LoadOptions { store: StoreConfig { residency, ..Default::default() }, ..Default::default() })
         };
         let run = |be: Cuda| run_with(be, Residency::Mapped);
         // Room for all: every expert copied at load, each layer served whole without
@@ -515,18 +518,11 @@ fn vram_tier_sizes_agree_bitwise() {
             prefetch: Prefetch::Pilot,
             ..Default::default()
         };
-        let model = Model::load_with(ahead.clone(), &ckpt, &opts, None).unwrap();
-        let mut s = model.session().unwrap();
-        let mut piloted = s.forward(&tokens[..9], Logits::All).unwrap();
-        for &t in &tokens[9..] {
-            piloted.extend(s.forward(&[t], Logits::All).unwrap());
-        }
+        let piloted = logits_of(ahead.clone(), &opts);
         let t = ahead.expert_traffic().unwrap();
         eprintln!("{name}, a quarter in VRAM, copies ahead: {t:?}");
         assert!(t.prefetched > 0, "{name}: the pilot copied nothing ahead: {t:?}");
         assert!(piloted == unbounded, "{name}: a quarter in VRAM with copies ahead differs from an unbounded tier");
-        drop(s);
-        drop(model);
         // A quarter in VRAM, the rest streamed from disk through a cache of top-k
         // slots a layer, with and without the pilot reading the next layer's picks
         // ahead.
@@ -538,12 +534,7 @@ fn vram_tier_sizes_agree_bitwise() {
                 ..Default::default()
             };
             let opts = LoadOptions { store, prefetch, ..Default::default() };
-            let model = Model::load_with(be.with_expert_budget(all / 4 * expert), &ckpt, &opts, None).unwrap();
-            let mut s = model.session().unwrap();
-            let mut streamed = s.forward(&tokens[..9], Logits::All).unwrap();
-            for &t in &tokens[9..] {
-                streamed.extend(s.forward(&[t], Logits::All).unwrap());
-            }
+            let streamed = logits_of(be.with_expert_budget(all / 4 * expert), &opts);
             assert!(
                 streamed == unbounded,
                 "{name}: a quarter in VRAM, the rest streamed (prefetch {prefetch:?}), differs from an unbounded tier"
