@@ -247,10 +247,7 @@ macro_rules! with_backend {
                 $body
             }
             BackendArg::Cuda => {
-                let mut be = sluice_cuda::Cuda::open(0)?.with_expert_policy(policy_of($e.cache_policy));
-                if let Some(m) = &$e.gpu_memory {
-                    be = be.with_memory_limit(parse_size("--gpu-memory", m, "not a size (24GiB)")? as usize)?;
-                }
+                let be = open_cuda($e)?;
                 let (free, total) = be.memory()?;
                 eprintln!(
                     "GPU: {}, {} free of {}",
@@ -281,6 +278,16 @@ macro_rules! with_backend {
             BackendArg::Auto => unreachable!("choose_backend resolves auto"),
         }
     };
+}
+
+/// The first GPU, its VRAM tier evicting as `--cache-policy` says, within
+/// `--gpu-memory` where given.
+fn open_cuda(e: &EngineArgs) -> Result<sluice_cuda::Cuda> {
+    let be = sluice_cuda::Cuda::open(0)?.with_expert_policy(policy_of(e.cache_policy));
+    match &e.gpu_memory {
+        Some(m) => be.with_memory_limit(parse_size("--gpu-memory", m, "not a size (24GiB)")? as usize),
+        None => Ok(be),
+    }
 }
 
 fn policy_of(p: PolicyArg) -> Policy {
@@ -1313,20 +1320,22 @@ pub fn plan(a: PlanArgs) -> Result<()> {
     if a.engine.record_routing.is_some() {
         return Err(Error::Usage("plan runs nothing to record: give a recorded histogram with --routing FILE".into()));
     }
-    // The planner models the CPU backend (host memory, page cache, disk); where the GPU
-    // tier would split a model is not predicted yet, and a CPU plan printed for
-    // `--backend cuda` would be read as one.
-    if a.engine.backend == BackendArg::Cuda || a.engine.gpu_memory.is_some() {
-        return Err(Error::Unsupported(
-            "plan predicts the CPU backend only (--backend cuda and --gpu-memory are not planned yet); measure \
-             the GPU with `sluice bench --backend cuda`"
-                .into(),
-        ));
+    match choose_backend(&a.engine)? {
+        BackendArg::Cpu => plan_on(&Cpu::default(), &a),
+        BackendArg::Cuda => plan_on(&open_cuda(&a.engine)?, &a),
+        BackendArg::Auto => unreachable!("choose_backend resolves auto"),
     }
+}
+
+/// `sluice plan` for backend `be`: where the model would live (on a device: what its
+/// memory holds), then, unless `--no-measure`, `be`'s kernels timed on the model's
+/// shapes and the speed predicted from them.
+fn plan_on<B: Backend>(be: &B, a: &PlanArgs) -> Result<()> {
     let threads = init_threads(a.engine.threads)?;
     let ckpt = Checkpoint::open(&a.engine.model)?;
     let layout = ExpertLayout::from_checkpoint(&ckpt)?;
-    let (opts, at) = load_options(&a.engine, &ckpt, None)?;
+    let device_room = be.expert_room()?;
+    let (opts, at) = load_options(&a.engine, &ckpt, device_room)?;
     let hist = a.routing.as_deref().map(RoutingHistogram::load).transpose()?;
     let profile = plan::Profile::of(&ckpt, &layout);
     if let Some(h) = &hist {
@@ -1338,16 +1347,30 @@ pub fn plan(a: PlanArgs) -> Result<()> {
             )));
         }
     }
+    let kv = opts.kv.unwrap_or_else(|| sluice_engine::default_kv_format(be, &ckpt));
+    let device = match device_room {
+        Some(room) => {
+            let kv_bytes = plan::kv_bytes(be, &profile, kv, plan::DEVICE_CONTEXT)?;
+            Some(at.on_device(&profile, room, kv_bytes)?)
+        }
+        None => None,
+    };
     let reads_disk = at.residency == Residency::Streamed
         || (at.residency == Residency::Mapped
             && at.available_bytes.is_some_and(|m| at.total_bytes as f64 > m as f64 * 0.8));
     let measured = if a.no_measure {
         None
     } else {
-        let precisions = plan::Precisions::of(opts.precision);
-        let machine =
-            plan::Machine::measure(&profile, precisions, (reads_disk && at.expert_bytes > 0).then_some(&layout))?;
-        let prediction = plan::predict(&profile, &at, &machine, hist.as_ref());
+        let on = plan::MeasureOn {
+            ckpt: &ckpt,
+            profile: &profile,
+            precision: plan::Precisions::of(opts.precision),
+            kv,
+            disk: (reads_disk && at.expert_bytes > 0).then_some(&layout),
+        };
+        let machine = plan::Machine::measure(be, &on)?;
+        let routing = plan::Routing { hist: hist.as_ref(), policy: opts.store.policy };
+        let prediction = plan::predict(&profile, &at, &machine, routing, device.as_ref());
         Some((machine, prediction))
     };
     let spec = &ckpt.spec;
@@ -1356,6 +1379,7 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         let j = json!({
             "model": a.engine.model,
             "arch": spec.arch,
+            "backend": be.name(),
             "threads": threads,
             "total_bytes": at.total_bytes,
             "resident_bytes": at.resident_bytes,
@@ -1366,6 +1390,7 @@ pub fn plan(a: PlanArgs) -> Result<()> {
             "cache_bytes": at.cache_bytes,
             "slots_per_layer": at.slots_per_layer,
             "experts_per_layer": at.experts_per_layer,
+            "device": device,
             "profile": profile,
             "machine": measured.as_ref().map(|m| &m.0),
             "prediction": measured.as_ref().map(|m| &m.1),
@@ -1385,16 +1410,41 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         "memory     {} available (the least of MemAvailable and the memory cgroup's room)",
         at.available_bytes.map_or("unknown".into(), gib)
     );
-    println!(
-        "weights    {} {}",
-        gib(at.resident_bytes),
-        match at.weights {
-            WeightsPlace::Memory => "in sluice's memory (read at load, on huge pages)",
-            WeightsPlace::Mapped => "mapped from the file (the page cache holds them)",
+    if let Some(d) = &device {
+        println!(
+            "device     {} for sluice ({}): weights {}, a KV cache of {} positions {}, {} for activations",
+            gib(d.room_bytes),
+            if a.engine.gpu_memory.is_some() { "--gpu-memory" } else { "all but 4 GiB of what is free" },
+            gib(d.weights_bytes),
+            plan::DEVICE_CONTEXT,
+            gib(d.kv_bytes),
+            gib(d.scratch_bytes)
+        );
+        if at.expert_bytes > 0 {
+            println!(
+                "           VRAM expert tier {}: {} of {} experts a layer ({})",
+                gib(d.tier_bytes),
+                d.tier_experts_per_layer,
+                at.experts_per_layer,
+                match d.tier_bytes == at.expert_bytes {
+                    true => "all of them, copied at load",
+                    false => "the rest copied from host memory as needed",
+                }
+            );
         }
-    );
+    } else {
+        println!(
+            "weights    {} {}",
+            gib(at.resident_bytes),
+            match at.weights {
+                WeightsPlace::Memory => "in sluice's memory (read at load, on huge pages)",
+                WeightsPlace::Mapped => "mapped from the file (the page cache holds them)",
+            }
+        );
+    }
     if at.expert_bytes > 0 {
         let how = match at.residency {
+            Residency::Resident if device.is_some() => "resident: read into page-locked memory at load".to_string(),
             Residency::Resident => "resident: read into memory at load".to_string(),
             Residency::Mapped => "mapped: the page cache decides what stays".to_string(),
             Residency::Streamed => format!(
@@ -1408,21 +1458,43 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         println!("experts    {} in {} layers: {how}", gib(at.expert_bytes), profile.moe_layers.len());
     }
     if let Some((m, p)) = &measured {
-        println!(
-            "machine    {} threads; memory reads {:.1} GB/s; the model's {} product shapes timed on random weights",
-            m.threads,
-            m.memory_read_bytes_per_s / 1e9,
-            m.products.len()
-        );
+        match &m.device {
+            Some(d) => println!(
+                "machine    {} ({}): copies within it {:.2} TB/s (read + write), from the host {:.1} GB/s \
+                 page-locked, {:.1} GB/s pageable; the model's {} product shapes timed on random weights",
+                d.name,
+                gib(d.total_bytes),
+                d.copy_bytes_per_s / 1e12,
+                d.locked_bytes_per_s / 1e9,
+                d.pageable_bytes_per_s / 1e9,
+                m.products.len()
+            ),
+            None => println!(
+                "machine    {} threads; memory reads {:.1} GB/s; the model's {} product shapes timed on random weights",
+                m.threads,
+                m.memory_read_bytes_per_s / 1e9,
+                m.products.len()
+            ),
+        }
         if let Some(d) = m.disk_bytes_per_s {
             println!("           disk {:.2} GB/s (O_DIRECT, this model's experts)", d / 1e9);
         }
         let ms = |s: f64| s * 1e3;
         let mut decode = format!(
-            "decode  {:>8.2} tok/s  ({:.1} ms of products on weights in memory",
+            "decode  {:>8.2} tok/s  ({:.1} ms of products and attention, {:.1} ms of {} small operations",
             p.decode_tok_s,
-            ms(p.decode_memory_s)
+            ms(p.decode_memory_s),
+            ms(p.decode_small_ops_s),
+            plan::SMALL_OPS_PER_LAYER * profile.layers
         );
+        if let Some(h) = p.decode_device_hit_rate {
+            decode += &format!(
+                ", {:.1} ms copying {:.1} MB of experts to the device; its tier's hit rate {:.0}%",
+                ms(p.decode_copy_s),
+                p.decode_copy_bytes_per_token / 1e6,
+                100.0 * h
+            );
+        }
         if let Some(h) = p.decode_hit_rate {
             decode += &format!(
                 ", {:.1} ms reading {:.1} MB of experts from disk; hit rate {:.0}%",
@@ -1434,11 +1506,14 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         println!("predicted  {decode} per token)");
         let mut prefill =
             format!("prefill {:>8.1} tok/s  ({:.2} ms of arithmetic", p.prefill_tok_s, ms(p.prefill_compute_s));
+        if p.prefill_copy_s > 0.0 {
+            prefill += &format!(", {:.2} ms of copies to the device", ms(p.prefill_copy_s));
+        }
         if p.prefill_disk_s > 0.0 {
             prefill += &format!(" and {:.2} ms of expert reads, overlapped", ms(p.prefill_disk_s));
         }
         println!("           {prefill} per token)");
-        if hist.is_none() && p.decode_hit_rate.is_some() {
+        if hist.is_none() && (p.decode_hit_rate.is_some() || p.decode_device_hit_rate.is_some_and(|h| h < 1.0)) {
             println!(
                 "           (hit rates assume uniform routing; --routing FILE from --record-routing for real ones)"
             );

@@ -629,9 +629,18 @@ fn plan_places_and_predicts() {
     assert!(j["prediction"].is_null());
     assert_one_error(&sluice(&["plan", "--model", m, "--record-routing", "/tmp/x.json"]), "--routing");
     assert_one_error(&sluice(&["plan", "--model", m, "--routing", "/nonexistent/routing.json"]), "routing.json");
-    // No GPU plan yet: said so, not a CPU plan under the GPU's name.
-    assert_one_error(&sluice(&["plan", "--model", m, "--backend", "cuda"]), "--backend cuda");
     assert_one_error(&sluice(&["plan", "--model", m, "--gpu-memory", "8GiB"]), "--gpu-memory");
+    // The GPU's plan: where CUDA cannot be used, why, in one line; where it can, the
+    // device's split and its measured copies (the GPU tests check the figures).
+    let gpu = sluice(&["plan", "--model", m, "--backend", "cuda", "--gpu-memory", "2GiB"]);
+    match sluice_cuda::probe() {
+        Some(why) => assert_one_error(&gpu, &why),
+        None => {
+            let text = String::from_utf8_lossy(&gpu.stdout);
+            assert!(gpu.status.success(), "{}", String::from_utf8_lossy(&gpu.stderr));
+            assert!(text.contains("VRAM expert tier") && text.contains("copies within it"), "{text}");
+        }
+    }
 }
 
 /// The GPU flags: `--gpu-memory` with the CPU backend is a usage error naming it;

@@ -8,7 +8,7 @@ use sluice_core::{
     Activation, DType, Error, Glu, HeadOrder, KvFormat, KvLayout, Precision, Result, RopeSpec, RopeStyle, RouterKind,
 };
 use sluice_engine::backend::{
-    AttnOp, Backend, DeltaOp, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols,
+    AttnOp, Backend, DeltaOp, DeviceRates, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols,
 };
 use sluice_engine::batch::{Batch, RowPrecision, SeqRows};
 use sluice_experts::{ExpertLease, ExpertStore, FetchMode, PageLock, Policy, Residency};
@@ -179,18 +179,29 @@ struct VramTier {
     held: HashMap<(u64, usize), usize>,
     /// The address tables of the whole layers (dropped when one of theirs is evicted).
     whole: HashMap<(u64, usize), Arc<LayerTable>>,
+    /// The prefetch's copies the compute stream has not yet been ordered after.
+    pending: Option<PendingCopies>,
+}
+
+/// Copies into the tier under way on the copy stream.
+struct PendingCopies {
     /// Reached by the copy stream once the last prefetch's copies are done (the
     /// stream is in order, so it covers every earlier one): the compute stream waits
-    /// for it before it reads a held expert or frees an evicted one.
-    pending: Option<cudarc::driver::CudaEvent>,
+    /// for it before it reads the next layer's experts.
+    done: cudarc::driver::CudaEvent,
+    /// The experts being copied into: never evicted while pending, since their buffers
+    /// would be freed on the compute stream under the copy. (Waiting for the copies at
+    /// an eviction instead held a layer's products back until the next layer's copies
+    /// were done: decode 82 -> 72 tok/s with the pilot at stop 51.)
+    keys: Vec<TierKey>,
 }
 
 impl Drop for VramTier {
     fn drop(&mut self) {
         // The held experts are freed on the compute stream, which nothing orders
         // after copies still under way into them: wait for those first.
-        if let Some(ev) = &self.pending {
-            let _ = ev.synchronize();
+        if let Some(p) = &self.pending {
+            let _ = p.done.synchronize();
         }
     }
 }
@@ -371,15 +382,15 @@ impl Cuda {
     }
 
     /// Evicts as the tier's policy orders until `need` bytes fit, but none of
-    /// `spare`; whether they fit. Evicted experts are freed when the last step using
-    /// them lets go (on the compute stream, after any prefetch copying into them):
-    /// they count as free now.
+    /// `spare` nor of the copies under way; whether they fit. Evicted experts are freed
+    /// when the last step using them lets go (on the compute stream): they count as
+    /// free now.
     fn make_room(&self, t: &mut VramTier, need: usize, spare: &[TierKey]) -> Result<bool> {
         let mut room = self.room(t)?;
         while room < need {
-            let held = t.map.iter().map(|(k, (_, used))| (*k, *used));
-            let Some(gone) = t.policy.victim(held).filter(|k| !spare.contains(k)) else { return Ok(false) };
-            self.await_prefetch(t)?;
+            let copying = t.pending.as_ref().map_or(&[][..], |p| &p.keys[..]);
+            let held = t.map.iter().filter(|(k, _)| !spare.contains(k) && !copying.contains(k));
+            let Some(gone) = t.policy.victim(held.map(|(k, (_, used))| (*k, *used))) else { return Ok(false) };
             t.stats.evictions += 1;
             room += t.remove(gone).unwrap_or(0);
         }
@@ -389,7 +400,7 @@ impl Cuda {
     /// Orders the compute stream after the prefetch copies queued so far.
     fn await_prefetch(&self, t: &mut VramTier) -> Result<()> {
         match t.pending.take() {
-            Some(ev) => self.dev.compute_after(&ev),
+            Some(p) => self.dev.compute_after(&p.done),
             None => Ok(()),
         }
     }
@@ -762,12 +773,11 @@ impl Cuda {
 /// not whole runs of four columns, which only `mm_block` takes. Every output has the
 /// same bits for any choice, so this is speed alone: on an H100, decode of the
 /// Qwen3-30B-A3B geometry 135-142 tok/s with (4, 2), 126 with (2, 2), 104 with (1, 1),
-/// and the lm head's product 204, 256 and 398 us (scripts/device-notes.md).
+/// and the lm head's product 204, 256 and 398 us; eight for one row measured 137.6
+/// against 152.9 at stop 51 (scripts/device-notes.md).
 fn outputs_per_block(rows: usize, cols: usize) -> usize {
     match rows {
         _ if cols % 4 != 0 => 1,
-        // Under measurement: eight (kernels.cu under the same variant).
-        1 if crate::device::variant() == Some(32) => 8,
         1 => 4,
         2 => 2,
         _ => 1,
@@ -1395,6 +1405,8 @@ impl Backend for Cuda {
             }
             t.stats.vram_hits += held.len() as u64;
         }
+        // The store counts what it serves; the routing histogram wants every choice.
+        store.note_routed(layer, &held.iter().map(|(e, _)| *e).collect::<Vec<_>>());
         let lease =
             if missing.is_empty() { None } else { Some(store.fetch_with(layer, &missing, FetchMode::Stream)?) };
         Ok(DevExperts::Some { key: (store.id(), layer), held, lease })
@@ -1416,7 +1428,7 @@ impl Backend for Cuda {
         if missing.is_empty() {
             return Ok(());
         }
-        let lease = store.fetch_with(layer, &missing, FetchMode::Stream)?;
+        let lease = store.fetch_with(layer, &missing, FetchMode::Ahead)?;
         let taken = missing.iter().map(|&e| Ok((e, lease.take(e)?))).collect::<Result<Vec<_>>>()?;
         // Each expert kept as its buffers are allocated (so that the tier's room counts
         // it), copied below; (device address, host bytes) of each copy.
@@ -1452,7 +1464,10 @@ impl Backend for Cuda {
                 // and is read only after the compute stream waits for `pending`.
                 unsafe { self.dev.copy_ahead(host, dst)? };
             }
-            t.pending = Some(self.dev.copies_done()?);
+            // The copy stream is in order: the new event covers copies still pending.
+            let mut keys_copying = t.pending.take().map_or(Vec::new(), |p| p.keys);
+            keys_copying.extend_from_slice(&keys);
+            t.pending = Some(PendingCopies { done: self.dev.copies_done()?, keys: keys_copying });
             t.stats.prefetched += keys.len() as u64;
             t.stats.fill_bytes += copies.iter().map(|(_, h)| h.len() as u64).sum::<u64>();
             Ok(())
@@ -1487,6 +1502,18 @@ impl Backend for Cuda {
         Ok(Some(self.room(&t)? as u64))
     }
 
+    fn device_rates(&self) -> Result<Option<DeviceRates>> {
+        let (_, total) = self.dev.memory()?;
+        let rates = self.dev.copy_rates()?;
+        Ok(Some(DeviceRates {
+            name: self.dev.name.clone(),
+            total_bytes: total as u64,
+            copy_bytes_per_s: rates.within,
+            locked_bytes_per_s: rates.locked,
+            pageable_bytes_per_s: rates.pageable,
+        }))
+    }
+
     fn page_lock(&self) -> Option<PageLock> {
         Some(PageLock(Arc::new(HostLocker { ctx: self.dev.ctx.clone() })))
     }
@@ -1510,7 +1537,7 @@ impl Backend for Cuda {
             if ids.is_empty() {
                 continue;
             }
-            let lease = store.fetch_with(layer, &ids, FetchMode::Stream)?;
+            let lease = store.fetch_with(layer, &ids, FetchMode::Ahead)?;
             for e in lease.order() {
                 let x = self.upload_expert(lease.take(e)?.mats())?;
                 done += x.bytes() as u64;

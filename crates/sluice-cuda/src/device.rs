@@ -220,7 +220,34 @@ impl Device {
             trace,
         };
         dev.prepare(Unit::Common)?;
+        if variant() == Some(40) {
+            dev.keep_freed_memory()?;
+        }
         Ok(dev)
+    }
+
+    /// Under measurement (`SLUICE_CUDA_VARIANT=40`): the stream-ordered allocator keeps
+    /// freed memory for the next allocation instead of giving it back to the driver
+    /// at each synchronisation (its default), which the tier's copies allocate and
+    /// free on every layer.
+    fn keep_freed_memory(&self) -> Result<()> {
+        use cudarc::driver::sys;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: the context is current (bound by CudaContext::new); `pool` receives
+        // the device's default pool, and the attribute takes a u64.
+        unsafe {
+            sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device())
+                .result()
+                .map_err(|e| fail("reading the memory pool", e))?;
+            let mut keep = u64::MAX;
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep as *mut u64).cast(),
+            )
+            .result()
+            .map_err(|e| fail("setting the memory pool's release threshold", e))
+        }
     }
 
     /// Compiles (or finds in the cache) and loads unit `unit` unless it is loaded.
@@ -394,6 +421,51 @@ impl Device {
     pub fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| fail("waiting for the GPU", e))
     }
+
+    /// Measures copies (about a second): within the device memory, counting each byte
+    /// read and written, and to it from page-locked and from pageable host memory, in
+    /// bytes per second (the best of three runs of 256 MiB each way). Page-locked falls
+    /// back to pageable where the host will not lock the buffer.
+    pub fn copy_rates(&self) -> Result<CopyRates> {
+        const LEN: usize = 256 << 20;
+        let best = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+            f()?;
+            self.sync()?;
+            let mut best = f64::INFINITY;
+            for _ in 0..3 {
+                let t = Instant::now();
+                f()?;
+                self.sync()?;
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            Ok(best)
+        };
+        let from = self.alloc::<u8>(LEN)?;
+        let mut to = self.alloc::<u8>(LEN)?;
+        let within =
+            best(&mut || self.stream.memcpy_dtod(&from, &mut to).map_err(|e| fail("copying within the GPU", e)))?;
+        let mut host = vec![1u8; LEN];
+        let mut to_device = |host: &[u8]| {
+            best(&mut || self.stream.memcpy_htod(host, &mut to).map_err(|e| fail("copying to the GPU", e)))
+        };
+        let pageable = to_device(&host)?;
+        let guard = sluice_experts::PageLocker::lock(&HostLocker { ctx: self.ctx.clone() }, host.as_mut_ptr(), LEN);
+        let locked = match guard {
+            Some(_) => to_device(&host)?,
+            None => pageable,
+        };
+        drop(guard);
+        let rate = |bytes: usize, s: f64| bytes as f64 / s;
+        Ok(CopyRates { within: rate(2 * LEN, within), locked: rate(LEN, locked), pageable: rate(LEN, pageable) })
+    }
+}
+
+/// Bytes per second of copies within a device and to it ([`Device::copy_rates`]).
+#[derive(Clone, Copy, Debug)]
+pub struct CopyRates {
+    pub within: f64,
+    pub locked: f64,
+    pub pageable: f64,
 }
 
 /// Page-locks host memory for the device's copies from it (`cuMemHostRegister`): the

@@ -362,13 +362,6 @@ __device__ __forceinline__ void mm_block_outputs(const u8* const* row, int ro, i
         if (ro == 4) {
             rows_loop<F, 1, 4>(row, cols, n, x, acc);
             block_sums<4>(acc, n, y);
-#if defined(SLUICE_VARIANT) && SLUICE_VARIANT == 32
-        } else if (ro == 8) {
-            // Under measurement: eight outputs of one row a block (the backend's
-            // outputs_per_block under SLUICE_CUDA_VARIANT=32).
-            rows_loop<F, 1, 8>(row, cols, n, x, acc);
-            block_sums<8>(acc, n, y);
-#endif
         } else {
             if (n == 1) rows_loop<F, 1, 2>(row, cols, n, x, acc);
             else rows_loop<F, 2, 2>(row, cols, n, x, acc);
@@ -379,11 +372,7 @@ __device__ __forceinline__ void mm_block_outputs(const u8* const* row, int ro, i
 
 // The weight rows of a block's outputs o0..o0 + ro, each at `base + o * row_bytes`;
 // those past `out` repeat the last (computed, not stored).
-#if defined(SLUICE_VARIANT) && SLUICE_VARIANT == 32
-#define MAX_OUTPUTS 8
-#else
 #define MAX_OUTPUTS 4
-#endif
 __device__ __forceinline__ void out_rows(const u8* base, long long row_bytes, int o0, int ro, int out,
                                          const u8** row) {
     for (int j = 0; j < MAX_OUTPUTS; j++) row[j] = base + (long long)min(o0 + min(j, ro - 1), out - 1) * row_bytes;

@@ -736,3 +736,39 @@ fn a_states_prefix_continues_as_one_fed_that_far() {
         }
     }
 }
+
+/// `sluice plan --backend cuda`'s measurement: the device's copies at plausible rates
+/// for a GPU on PCIe (within the device above 100 GB/s, from page-locked memory at
+/// least pageable's and above 1 GB/s), every product shape and attention geometry of
+/// a fixture timed on the device, and the device's split of its memory.
+#[test]
+fn the_plan_measures_the_device() {
+    use sluice_engine::plan::{self, Machine, MeasureOn, Precisions, Profile};
+    let Some(be) = gpu() else { return };
+    let ckpt = Checkpoint::open(&fixtures().join("qwen3-moe")).unwrap();
+    let layout = sluice_experts::ExpertLayout::from_checkpoint(&ckpt).unwrap();
+    let profile = Profile::of(&ckpt, &layout);
+    let kv = sluice_engine::default_kv_format(&be, &ckpt);
+    let on = MeasureOn { ckpt: &ckpt, profile: &profile, precision: Precisions::of(None), kv, disk: None };
+    let m = Machine::measure(&be, &on).unwrap();
+    let d = m.device.as_ref().expect("a device backend measures its device");
+    eprintln!(
+        "{}: within {:.0} GB/s, page-locked {:.1} GB/s, pageable {:.1} GB/s; a small op {:.1} us",
+        d.name,
+        d.copy_bytes_per_s / 1e9,
+        d.locked_bytes_per_s / 1e9,
+        d.pageable_bytes_per_s / 1e9,
+        m.small_op_s * 1e6
+    );
+    assert!(d.copy_bytes_per_s > 100e9 && d.locked_bytes_per_s > 1e9, "{d:?}");
+    assert!(d.locked_bytes_per_s >= 0.8 * d.pageable_bytes_per_s, "{d:?}");
+    let positive = |s: f64| s > 0.0 && s < 1.0;
+    assert!(m.products.iter().all(|t| positive(t.decode_s) && positive(t.prefill_s)), "{:?}", m.products);
+    assert!(m.attention.iter().all(|t| positive(t.decode_s) && positive(t.prefill_s)), "{:?}", m.attention);
+    assert!(m.experts.is_some_and(|e| positive(e.decode_s) && positive(e.prefill_s)), "{:?}", m.experts);
+    let req = plan::Request { available: Some(1 << 40), ..Default::default() };
+    let at = plan::place(&ckpt, &layout, &req).unwrap();
+    let kv_bytes = plan::kv_bytes(&be, &profile, kv, plan::DEVICE_CONTEXT).unwrap();
+    let split = at.on_device(&profile, be.expert_room().unwrap().unwrap(), kv_bytes).unwrap();
+    assert_eq!(split.tier_bytes, at.expert_bytes, "a fixture's experts all fit");
+}

@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use sluice_core::{Result, RouterKind};
+use sluice_experts::ExpertStore;
 use sluice_formats::{Checkpoint, TensorId, TensorKind};
 
 use crate::backend::{Backend, ExpertBias, ExpertFfn, RouterOp};
@@ -61,6 +62,16 @@ impl<B: Backend> Moe<B> {
             },
             ffn: ExpertFfn { glu: m.glu, bias: if m.expert_bias { Some(expert_bias(be, ckpt, layer)?) } else { None } },
         })
+    }
+
+    /// Routes rows by `logits` (rows x experts), fetches their experts from `store` and
+    /// runs them on `h`, without a sequence's context: the planner times a layer's
+    /// experts with it (the router's product is timed with the other dense products).
+    pub fn experts_by(&self, be: &B, store: &ExpertStore, logits: &B::Act, h: &B::Act) -> Result<B::Act> {
+        let routing = be.route(logits, &self.op)?;
+        let f = be.fetch_routed(store, self.layer, &routing)?;
+        be.experts_ready(&f)?;
+        be.moe(h, &routing, &f, &self.ffn)
     }
 
     /// Routes every row of the residual `x`.

@@ -10,12 +10,17 @@
 //! product's fixed cost, and the disk's O_DIRECT bandwidth; expert-cache hit rates
 //! come from a routing histogram when one is given (uniform routing otherwise).
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use sluice_core::{DType, Error, MatRef, Precision, Result};
-use sluice_experts::{CacheBudget, ExpertLayout, Residency, RoutingHistogram, human_bytes};
-use sluice_formats::{Checkpoint, TensorId, TensorKind};
+use sluice_core::{DType, Error, KvFormat, KvLayout, ModelSpec, Precision, Result};
+use sluice_experts::{CacheBudget, ExpertLayout, Policy, Residency, RoutingHistogram, human_bytes};
+use sluice_formats::{Checkpoint, MappedFile, TensorId, TensorKind, TensorView};
+
+use crate::backend::{AttnOp, Backend, DeviceRates};
+use crate::batch::{Batch, RowPrecision, SeqRows};
+use sluice_experts::ExpertStore;
 
 /// Where the weights other than routed experts live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -174,6 +179,7 @@ fn dtype_name<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::O
 /// What one token reads and computes.
 #[derive(Clone, Debug, Serialize)]
 pub struct Profile {
+    pub layers: usize,
     pub products: Vec<Product>,
     pub attention: Vec<AttnShape>,
     pub moe_layers: Vec<MoeLayer>,
@@ -257,7 +263,7 @@ impl Profile {
                 None => attention.push(shape),
             }
         }
-        Profile { products, attention, moe_layers }
+        Profile { layers: spec.n_layers(), products, attention, moe_layers }
     }
 }
 
@@ -268,7 +274,8 @@ pub struct ProductTime {
     pub dtype: DType,
     pub rows: usize,
     pub cols: usize,
-    /// Seconds of a one-row product, the weights coming from memory.
+    /// Seconds of a one-row product, the weights coming from memory (an expert's
+    /// share of a layer's top-k products run together, as the experts of a step are).
     pub decode_s: f64,
     /// Seconds of a product over `prefill_rows` rows.
     pub prefill_s: f64,
@@ -284,17 +291,38 @@ pub struct AttnTime {
     pub prefill_s: f64,
 }
 
-/// This machine's measured rates.
+/// The measured rates of the machine a backend computes on.
 #[derive(Clone, Debug, Serialize)]
 pub struct Machine {
     pub threads: usize,
     pub memory_read_bytes_per_s: f64,
-    /// The kernels on each product shape of the model (random weights of its types).
+    /// The backend's kernels on each product shape of the model (random weights of
+    /// its types, in the backend's memory).
     pub products: Vec<ProductTime>,
     /// The attention kernel on each of the model's geometries, as [`Profile::attention`].
     pub attention: Vec<AttnTime>,
+    /// A MoE layer's routing, expert fetch and expert products as the backend runs
+    /// them (the first MoE layer's, for every one): in place of the expert products
+    /// of `products`, which a backend runs together, one launch for a layer's top-k on
+    /// a GPU.
+    pub experts: Option<ExpertsTime>,
+    /// Seconds of one small operation on a row (a sum of two rows), one after another:
+    /// a layer's norms, RoPE, KV writes, sums and routing cost about
+    /// [`SMALL_OPS_PER_LAYER`] of them, a kernel launch each on a GPU.
+    pub small_op_s: f64,
     /// O_DIRECT reads of this model's experts, when measured.
     pub disk_bytes_per_s: Option<f64>,
+    /// The backend's device, for one with memory of its own.
+    pub device: Option<DeviceRates>,
+}
+
+/// The measured time of one MoE layer's experts (see [`Machine::experts`]).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ExpertsTime {
+    /// One row routed to its top-k, the weights coming from memory.
+    pub decode_s: f64,
+    /// [`PROMPT`] rows, each routed to its top-k.
+    pub prefill_s: f64,
 }
 
 /// Which activation precision each phase computes at.
@@ -314,29 +342,54 @@ impl Precisions {
 /// A prompt the predictions are for: its length sets the rows of a prefill pass.
 pub const PROMPT: usize = 128;
 
+/// The operations of a decode layer other than its products and attention: two norms
+/// (one fused with the residual's sum), the query's and key's norm and RoPE, the KV
+/// write, the routing's top-k and plan, the experts' combine and the last sum. The
+/// CUDA backend launched ten such kernels a Qwen3-MoE layer at stop 49.
+pub const SMALL_OPS_PER_LAYER: usize = 10;
+
+/// What [`Machine::measure`] times the backend on.
+pub struct MeasureOn<'a> {
+    /// The model: its spec, and its first MoE layer's router and experts.
+    pub ckpt: &'a Checkpoint,
+    pub profile: &'a Profile,
+    pub precision: Precisions,
+    /// The KV cache's format (the model's default or `--kv-bits`).
+    pub kv: KvFormat,
+    /// The model's expert layout when the disk rate matters (streamed experts).
+    pub disk: Option<&'a ExpertLayout>,
+}
+
 impl Machine {
-    /// Times the kernels on every product shape of `profile` and measures the memory
-    /// bandwidth (a second or two); `disk` is the model's expert layout when the disk
-    /// rate matters (streamed experts).
-    pub fn measure(profile: &Profile, precision: Precisions, disk: Option<&ExpertLayout>) -> Result<Machine> {
+    /// Times `be`'s kernels on every product shape and attention geometry of the
+    /// model, one small operation, its device's copies (a backend with one), and the
+    /// memory and disk bandwidth of the host (a few seconds).
+    pub fn measure<B: Backend>(be: &B, on: &MeasureOn<'_>) -> Result<Machine> {
+        let MeasureOn { ckpt, profile, precision, kv, disk } = *on;
+        let spec = &ckpt.spec;
+        let decode_be = be.with_precision(RowPrecision::All(precision.decode));
+        let prefill_be = be.with_precision(RowPrecision::All(precision.prefill));
         let mut products = Vec::new();
-        for p in &profile.products {
-            // A prompt's rows: all of them for dense products, an expert's share of them.
-            let rows = match p.part {
-                Part::Dense | Part::Head => PROMPT,
-                Part::Expert => {
-                    let m = profile.moe_layers.first().expect("experts belong to a MoE layer");
-                    (PROMPT * m.top_k).div_ceil(m.experts).max(1)
-                }
-            };
+        for p in profile.products.iter().filter(|p| p.part != Part::Expert) {
             products.push(ProductTime {
                 dtype: p.dtype,
                 rows: p.rows,
                 cols: p.cols,
-                decode_s: decode_time(p, precision.decode),
-                prefill_s: prefill_time(p, rows, precision.prefill),
-                prefill_rows: rows,
+                decode_s: decode_time(&decode_be, p)?,
+                prefill_s: prefill_time(&prefill_be, p, PROMPT)?,
+                prefill_rows: PROMPT,
             });
+        }
+        let experts = match profile.moe_layers.first() {
+            Some(m) => Some(ExpertsTime {
+                decode_s: experts_time(&decode_be, ckpt, m, 1)?,
+                prefill_s: experts_time(&prefill_be, ckpt, m, PROMPT)?,
+            }),
+            None => None,
+        };
+        let mut attention = Vec::new();
+        for a in &profile.attention {
+            attention.push(attention_time(&decode_be, spec, a, kv)?);
         }
         let disk_bytes_per_s = match disk {
             Some(layout) => {
@@ -354,8 +407,11 @@ impl Machine {
             threads: rayon::current_num_threads(),
             memory_read_bytes_per_s: crate::stats::memory_read_bandwidth(1 << 29, 3),
             products,
-            attention: profile.attention.iter().map(attention_time).collect(),
+            attention,
+            experts,
+            small_op_s: small_op_time(&decode_be, spec.hidden_size)?,
             disk_bytes_per_s,
+            device: be.device_rates()?,
         })
     }
 
@@ -367,79 +423,217 @@ impl Machine {
     }
 }
 
-/// Bytes of a `rows x cols` matrix of `d`, filled with a pattern that decodes to
-/// small normal numbers in every format.
-fn test_matrix(d: DType, rows: usize, cols: usize) -> Vec<u8> {
-    vec![0x11u8; rows * d.bytes_for(cols).expect("a whole number of blocks")]
+/// `copies` matrices of `rows x cols` of `d`, one after another in memory, filled with
+/// a pattern that decodes to small normal numbers in every format.
+fn test_matrices(d: DType, rows: usize, cols: usize, copies: usize) -> Result<Vec<TensorView>> {
+    let len = rows * d.bytes_for(cols).expect("a whole number of blocks");
+    let stride = len.next_multiple_of(64);
+    let file = MappedFile::in_memory(Path::new("(the planner's test matrices)"), &vec![0x11u8; stride * copies])?;
+    (0..copies)
+        .map(|i| TensorView::new(format!("test {d} {rows}x{cols}"), d, vec![rows, cols], file.clone(), i * stride, len))
+        .collect()
 }
 
 /// Best seconds per call of `f` over a few trials of at least `min` each.
-fn best_time(min: Duration, mut f: impl FnMut()) -> f64 {
-    f();
+fn best_time(min: Duration, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
     let mut best = f64::INFINITY;
     for _ in 0..3 {
         let (t, mut n) = (Instant::now(), 0u32);
         while t.elapsed() < min || n < 2 {
-            f();
+            f()?;
             n += 1;
         }
         best = best.min(t.elapsed().as_secs_f64() / n as f64);
     }
-    best
+    Ok(best)
 }
 
-/// Seconds of a one-row product of `p`'s shape, over enough copies of the matrix
-/// that they do not stay in the caches (as a decode step's weights do not).
-fn decode_time(p: &Product, precision: Precision) -> f64 {
-    let one = test_matrix(p.dtype, p.rows, p.cols);
-    let copies = (64 << 20) / one.len() + 1;
-    let mats: Vec<Vec<u8>> = (0..copies).map(|_| one.clone()).collect();
-    let x = vec![0.5f32; p.cols];
-    let mut out = vec![0f32; p.rows];
+/// Waits for the backend's work on `x` (a device's queue) by reading it back.
+fn wait<B: Backend>(be: &B, x: Option<B::Act>) -> Result<()> {
+    if let Some(x) = x {
+        be.to_host_owned(x)?;
+    }
+    Ok(())
+}
+
+/// Seconds of a one-row product of `p`'s shape, over enough copies of the matrix that
+/// they do not stay in the caches (as a decode step's weights do not).
+fn decode_time<B: Backend>(be: &B, p: &Product) -> Result<f64> {
+    let one = p.rows * p.dtype.bytes_for(p.cols).expect("a whole number of blocks");
+    let copies = (64 << 20) / one + 1;
+    let mats =
+        test_matrices(p.dtype, p.rows, p.cols, copies)?.iter().map(|t| be.mat(t)).collect::<Result<Vec<B::Mat>>>()?;
+    let x = be.upload(1, p.cols, &vec![0.5f32; p.cols])?;
     let t = best_time(Duration::from_millis(60), || {
-        for m in &mats {
-            let w = MatRef::new(p.dtype, p.rows, p.cols, m).expect("a valid test matrix");
-            sluice_cpu::matmul(w, &x, 1, &mut out, precision);
+        let mut last = None;
+        for w in &mats {
+            last = Some(be.matmul(&x, w)?);
         }
-    });
-    t / copies as f64
+        wait(be, last)
+    })?;
+    Ok(t / copies as f64)
 }
 
-/// Seconds of one layer's attention of geometry `a`, for a decode row and a prompt.
-fn attention_time(a: &AttnShape) -> AttnTime {
-    use sluice_cpu::{AttnParams, AttnSeq, KvCache, attention};
-    let p = AttnParams {
-        n_heads: a.n_heads,
-        n_kv_heads: a.n_kv_heads,
-        head_dim: a.head_dim,
-        scale: 0.1,
-        window: a.window,
-        softcap: None,
-        sinks: None,
-        select: None,
-    };
-    let (qd, kd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
-    let kv = vec![0.25f32; PROMPT * kd];
-    let mut held = KvCache::new(kd, a.window);
-    held.append(&kv, &kv);
-    let empty = KvCache::new(kd, a.window);
-    let time = |rows: usize, cache: &KvCache| {
-        let q = vec![0.5f32; rows * qd];
-        let mut out = vec![0f32; rows * qd];
-        let seq = [AttnSeq { first: 0, rows, cache }];
-        best_time(Duration::from_millis(30), || attention(&p, &q, &kv[..rows * kd], &kv[..rows * kd], &seq, &mut out))
-    };
-    AttnTime { decode_s: time(1, &held), prefill_s: time(PROMPT, &empty) }
+/// Seconds of MoE layer `m`'s routing, fetch and expert products over `rows` rows, on
+/// the model's own experts (mapped from its file), routed by random logits: a new
+/// set each run of a decode row, so that its weights come from memory as in a
+/// step (a device's tier takes them in the first runs).
+fn experts_time<B: Backend>(be: &B, ckpt: &Checkpoint, m: &MoeLayer, rows: usize) -> Result<f64> {
+    const SETS: usize = 16;
+    let moe = crate::moe::Moe::load(be, ckpt, m.layer, crate::moe::RouterInput::Plain)?;
+    let store = ExpertStore::open_mapped(ckpt)?;
+    let hidden = ckpt.spec.hidden_size;
+    let h = be.upload(rows, hidden, &vec![0.01f32; rows * hidden])?;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut logits = Vec::new();
+    for _ in 0..SETS {
+        let l: Vec<f32> = (0..rows * m.experts)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 40) as f32 / (1u64 << 24) as f32
+            })
+            .collect();
+        logits.push(be.upload(rows, m.experts, &l)?);
+    }
+    let sets = if rows == 1 { SETS } else { 1 };
+    let t = best_time(Duration::from_millis(60), || {
+        let mut last = None;
+        for l in &logits[..sets] {
+            last = Some(moe.experts_by(be, &store, l, &h)?);
+        }
+        wait(be, last)
+    })?;
+    Ok(t / sets as f64)
 }
 
 /// Seconds of a product of `p`'s shape over `n` rows (the weights in cache: a prompt
 /// is bound by arithmetic).
-fn prefill_time(p: &Product, n: usize, precision: Precision) -> f64 {
-    let m = test_matrix(p.dtype, p.rows, p.cols);
-    let x = vec![0.5f32; n * p.cols];
-    let mut out = vec![0f32; n * p.rows];
-    let w = MatRef::new(p.dtype, p.rows, p.cols, &m).expect("a valid test matrix");
-    best_time(Duration::from_millis(60), || sluice_cpu::matmul(w, &x, n, &mut out, precision))
+fn prefill_time<B: Backend>(be: &B, p: &Product, n: usize) -> Result<f64> {
+    let w = be.mat(&test_matrices(p.dtype, p.rows, p.cols, 1)?[0])?;
+    let x = be.upload(n, p.cols, &vec![0.5f32; n * p.cols])?;
+    best_time(Duration::from_millis(60), || wait(be, Some(be.matmul(&x, &w)?)))
+}
+
+/// Seconds of one layer's attention of geometry `a` (a layer of `spec` that has it),
+/// for a decode row after [`PROMPT`] positions and for a prompt of them.
+fn attention_time<B: Backend>(be: &B, spec: &ModelSpec, a: &AttnShape, kv: KvFormat) -> Result<AttnTime> {
+    let layer = spec
+        .layers
+        .iter()
+        .map(|l| &l.attention)
+        .find(|s| (s.n_heads, s.n_kv_heads, s.head_dim, s.window) == (a.n_heads, a.n_kv_heads, a.head_dim, a.window))
+        .expect("the profile's attention shapes come from the spec");
+    let (qd, kd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
+    let format = if a.window.is_some() { kv.for_sliding() } else { kv };
+    let layout = KvLayout { window: a.window, ..KvLayout::plain(kd, a.head_dim, format) };
+    let rows = |n: usize, width: usize| be.upload(n, width, &vec![0.25f32; n * width]);
+    let mut held = be.kv_new(&layout)?;
+    be.kv_append(&mut held, &rows(PROMPT, kd)?, &rows(PROMPT, kd)?, SeqRows { first: 0, rows: PROMPT, start: 0 })?;
+    let empty = be.kv_new(&layout)?;
+    let time = |n: usize, start: usize, cache: &B::Kv| -> Result<f64> {
+        let (q, k) = (rows(n, qd)?, rows(n, kd)?);
+        let batch = Batch::new(&[(start, n, Precision::Accurate)]);
+        let op =
+            AttnOp { spec: layer, q: &q, k: &k, v: &k, batch: &batch, caches: &[cache], sinks: None, select: None };
+        best_time(Duration::from_millis(30), || wait(be, Some(be.attention(&op)?)))
+    };
+    Ok(AttnTime { decode_s: time(1, PROMPT, &held)?, prefill_s: time(PROMPT, 0, &empty)? })
+}
+
+/// Seconds of one sum of two rows of `width`, over a run of them.
+fn small_op_time<B: Backend>(be: &B, width: usize) -> Result<f64> {
+    const RUN: usize = 100;
+    let y = be.upload(1, width, &vec![0.0f32; width])?;
+    let mut x = Some(be.upload(1, width, &vec![0.5f32; width])?);
+    let t = best_time(Duration::from_millis(20), || {
+        let mut a = x.take().expect("the row is put back");
+        for _ in 0..RUN {
+            be.add(&mut a, &y)?;
+        }
+        be.to_host(&a)?;
+        x = Some(a);
+        Ok(())
+    })?;
+    Ok(t / RUN as f64)
+}
+
+/// Where a device backend's memory goes (`sluice plan --backend cuda`): the model's
+/// weights other than routed experts, one sequence's KV cache, the kernels'
+/// intermediates, and a VRAM tier of experts in what is left.
+#[derive(Clone, Debug, Serialize)]
+pub struct DeviceSplit {
+    /// What sluice may take on the device.
+    pub room_bytes: u64,
+    pub weights_bytes: u64,
+    /// One sequence's KV cache at [`DEVICE_CONTEXT`] positions.
+    pub kv_bytes: u64,
+    /// An allowance for activations and the kernels' intermediates.
+    pub scratch_bytes: u64,
+    /// The VRAM expert tier, at most every expert.
+    pub tier_bytes: u64,
+    /// A MoE layer's share of the tier, in experts.
+    pub tier_experts_per_layer: usize,
+}
+
+/// The context a device plan reserves KV cache for.
+pub const DEVICE_CONTEXT: usize = 4096;
+
+/// Device memory a plan leaves for activations and the kernels' pools of
+/// intermediates (a 512-row prompt's take a few hundred MiB on a 30B MoE geometry).
+const SCRATCH_ALLOWANCE: u64 = 1 << 30;
+
+/// Bytes of one sequence's KV cache over `positions` on `be` (sliding layers hold at
+/// most their window), in `kv`'s format as [`Machine::measure`] times it.
+pub fn kv_bytes<B: Backend>(be: &B, p: &Profile, kv: KvFormat, positions: usize) -> Result<u64> {
+    let mut total = 0u64;
+    for a in &p.attention {
+        let format = if a.window.is_some() { kv.for_sliding() } else { kv };
+        let layout = KvLayout { window: a.window, ..KvLayout::plain(a.n_kv_heads * a.head_dim, a.head_dim, format) };
+        let per_position = be.kv_bytes_per_position(&be.kv_new(&layout)?) as u64;
+        total += a.layers as u64 * per_position * a.window.map_or(positions, |w| w.min(positions)) as u64;
+    }
+    Ok(total)
+}
+
+impl Placement {
+    /// The same placement on a device with `room` bytes for sluice: the weights, a KV
+    /// cache of `kv` bytes and [`SCRATCH_ALLOWANCE`] first, the VRAM tier in the rest.
+    /// An error where the first three do not fit, as loading would give.
+    pub fn on_device(&self, p: &Profile, room: u64, kv: u64) -> Result<DeviceSplit> {
+        let need = self.resident_bytes + kv + SCRATCH_ALLOWANCE;
+        if need > room {
+            return Err(Error::Usage(format!(
+                "the device has room for {}: less than the model's weights other than routed experts ({}), a KV \
+                 cache of {DEVICE_CONTEXT} positions ({}) and {} for activations",
+                human_bytes(room),
+                human_bytes(self.resident_bytes),
+                human_bytes(kv),
+                human_bytes(SCRATCH_ALLOWANCE)
+            )));
+        }
+        let tier_bytes = (room - need).min(self.expert_bytes);
+        let experts = (p.moe_layers.len() * self.experts_per_layer).max(1) as f64;
+        let per_layer = tier_bytes as f64 / (self.expert_bytes as f64 / experts) / p.moe_layers.len().max(1) as f64;
+        Ok(DeviceSplit {
+            room_bytes: room,
+            weights_bytes: self.resident_bytes,
+            kv_bytes: kv,
+            scratch_bytes: SCRATCH_ALLOWANCE,
+            tier_bytes,
+            tier_experts_per_layer: (per_layer as usize).min(self.experts_per_layer),
+        })
+    }
+}
+
+/// How the experts are routed to and cached: a recorded histogram (uniform routing
+/// without one) and the caches' eviction policy (`--cache-policy`).
+#[derive(Clone, Copy)]
+pub struct Routing<'a> {
+    pub hist: Option<&'a RoutingHistogram>,
+    pub policy: Policy,
 }
 
 /// Predicted speed and where the time goes.
@@ -447,21 +641,36 @@ fn prefill_time(p: &Product, n: usize, precision: Precision) -> f64 {
 pub struct Prediction {
     pub decode_tok_s: f64,
     pub prefill_tok_s: f64,
-    /// Per decoded token: the products on weights in memory and the attention, and
-    /// expert reads from disk (streamed, they overlap the expert products).
+    /// Per decoded token: the products on weights in memory (the device's, for a
+    /// backend with one) and the attention, the small operations between them, expert
+    /// reads from disk (streamed, they overlap the expert products on the host), and
+    /// copies of experts to the device that its tier lacks.
     pub decode_memory_s: f64,
+    pub decode_small_ops_s: f64,
     pub decode_disk_s: f64,
-    /// Expected hit rate of the expert cache in decode (streamed).
+    pub decode_copy_s: f64,
+    /// Expected hit rate of the host's expert cache in decode (streamed).
     pub decode_hit_rate: Option<f64>,
+    /// Expected hit rate of the device's expert tier in decode.
+    pub decode_device_hit_rate: Option<f64>,
     pub decode_disk_bytes_per_token: f64,
-    /// Per prompt token: the arithmetic (products and attention), and expert reads
-    /// from disk (overlapped with it).
+    pub decode_copy_bytes_per_token: f64,
+    /// Per prompt token: the arithmetic (products and attention), expert reads from
+    /// disk (overlapped with it) and copies to the device (not overlapped).
     pub prefill_compute_s: f64,
     pub prefill_disk_s: f64,
+    pub prefill_copy_s: f64,
 }
 
-/// Predicts decode (after a short prompt) and prefill speed (of a [`PROMPT`]-token prompt).
-pub fn predict(p: &Profile, at: &Placement, m: &Machine, hist: Option<&RoutingHistogram>) -> Prediction {
+/// Predicts decode (after a short prompt) and prefill speed (of a [`PROMPT`]-token
+/// prompt), on the host, or on a device split as `device` says.
+pub fn predict(
+    p: &Profile,
+    at: &Placement,
+    m: &Machine,
+    routing: Routing<'_>,
+    device: Option<&DeviceSplit>,
+) -> Prediction {
     let mut decode_memory_s = 0.0;
     let mut decode_experts_s = 0.0;
     let mut prefill_compute_s = 0.0;
@@ -469,19 +678,22 @@ pub fn predict(p: &Profile, at: &Placement, m: &Machine, hist: Option<&RoutingHi
         decode_memory_s += a.layers as f64 * t.decode_s;
         prefill_compute_s += a.layers as f64 * t.prefill_s / PROMPT as f64;
     }
-    for pr in &p.products {
+    for pr in p.products.iter().filter(|p| p.part != Part::Expert) {
         let t = m.time_of(pr);
         decode_memory_s += pr.per_token as f64 * t.decode_s;
-        if pr.part == Part::Expert {
-            decode_experts_s += pr.per_token as f64 * t.decode_s;
+        // A prompt runs the dense products on all its rows at once and the head only
+        // on its last row.
+        if pr.part == Part::Dense {
+            prefill_compute_s += pr.per_token as f64 * t.prefill_s / t.prefill_rows as f64;
         }
-        // A prompt runs the dense products on all its rows at once, each expert on the
-        // rows routed to it, and the head only on its last row.
-        prefill_compute_s += match pr.part {
-            Part::Dense | Part::Expert => pr.per_token as f64 * t.prefill_s / t.prefill_rows as f64,
-            Part::Head => 0.0,
-        };
     }
+    if let Some(e) = &m.experts {
+        let layers = p.moe_layers.len() as f64;
+        decode_experts_s = layers * e.decode_s;
+        decode_memory_s += decode_experts_s;
+        prefill_compute_s += layers * e.prefill_s / PROMPT as f64;
+    }
+    let decode_small_ops_s = (p.layers * SMALL_OPS_PER_LAYER) as f64 * m.small_op_s;
 
     // Experts that are not in memory come from disk: streamed ones through sluice's
     // cache, mapped ones through the page cache when the model does not fit in it.
@@ -496,39 +708,95 @@ pub fn predict(p: &Profile, at: &Placement, m: &Machine, hist: Option<&RoutingHi
         _ => None,
     };
     let disk_bps = m.disk_bytes_per_s.unwrap_or(f64::INFINITY);
-    let (mut hits, mut wanted, mut miss_bytes, mut chunk_miss_bytes) = (0.0, 0.0, 0.0, 0.0);
-    if let Some(slots) = slots {
-        for &MoeLayer { layer, experts: n, top_k: k, expert_bytes: bytes } in &p.moe_layers {
-            let probs = popularity(hist, layer, n, k);
-            let h = lru_hit_rate(&probs, slots);
-            hits += h * k as f64;
-            wanted += k as f64;
-            miss_bytes += (1.0 - h) * k as f64 * bytes as f64;
-            // A prompt touches most experts of a layer; those not cached are read once.
-            let touched: f64 = probs.iter().map(|&q| 1.0 - (1.0 - q).powf(PROMPT as f64)).sum();
-            let cached = slots.min(n) as f64 / n as f64;
-            chunk_miss_bytes += touched * (1.0 - cached) * bytes as f64;
+    // A device's copies come from the store: page-locked where it is resident.
+    let link_bps = m.device.as_ref().map_or(f64::INFINITY, |d| match at.residency {
+        Residency::Resident => d.locked_bytes_per_s,
+        _ => d.pageable_bytes_per_s,
+    });
+    let (mut host, mut tier) = (Hits::default(), Hits::default());
+    let (mut chunk_miss_bytes, mut chunk_copy_bytes) = (0.0, 0.0);
+    for &MoeLayer { layer, experts: n, top_k: k, expert_bytes: bytes } in &p.moe_layers {
+        let probs = popularity(routing.hist, layer, n, k);
+        // A prompt touches most experts of a layer; those not held are read once.
+        let touched: f64 = probs.iter().map(|&q| 1.0 - (1.0 - q).powf(PROMPT as f64)).sum();
+        let held = |slots: usize| slots.min(n) as f64 / n as f64;
+        if let Some(slots) = slots {
+            host.add(hit_rate(routing.policy, &probs, slots), k, bytes);
+            chunk_miss_bytes += touched * (1.0 - held(slots)) * bytes as f64;
+        }
+        if let Some(d) = device {
+            tier.add(hit_rate(routing.policy, &probs, d.tier_experts_per_layer), k, bytes);
+            chunk_copy_bytes += touched * (1.0 - held(d.tier_experts_per_layer)) * bytes as f64;
         }
     }
-    let decode_disk_s = miss_bytes / disk_bps;
+    let decode_disk_s = host.miss_bytes / disk_bps;
+    let decode_copy_s = if device.is_some() { tier.miss_bytes / link_bps } else { 0.0 };
     let prefill_disk_s = chunk_miss_bytes / disk_bps / PROMPT as f64;
-    // A streamed layer computes its cached experts while its misses are read, so
-    // the reads overlap the expert products (not the attention and dense products
-    // around them, which wait for the layer's result). A mapped model's misses are
-    // page faults inside the products: they add up.
-    let decode_s = match at.residency {
-        Residency::Streamed => decode_memory_s - decode_experts_s + decode_experts_s.max(decode_disk_s),
-        _ => decode_memory_s + decode_disk_s,
-    };
+    let prefill_copy_s = if device.is_some() { chunk_copy_bytes / link_bps / PROMPT as f64 } else { 0.0 };
+    // On the host, a streamed layer computes its cached experts while its misses are
+    // read, so the reads overlap the expert products (not the attention and dense
+    // products around them, which wait for the layer's result); a mapped model's
+    // misses are page faults inside the products: they add up. A device waits for
+    // the experts it lacks before its layer's expert products: copies and reads add up.
+    let decode_s = decode_small_ops_s
+        + decode_copy_s
+        + match (at.residency, device) {
+            (Residency::Streamed, None) => decode_memory_s - decode_experts_s + decode_experts_s.max(decode_disk_s),
+            _ => decode_memory_s + decode_disk_s,
+        };
     Prediction {
         decode_tok_s: 1.0 / decode_s,
-        prefill_tok_s: 1.0 / prefill_compute_s.max(prefill_disk_s),
+        prefill_tok_s: 1.0 / (prefill_compute_s + prefill_copy_s).max(prefill_disk_s),
         decode_memory_s,
+        decode_small_ops_s,
         decode_disk_s,
-        decode_hit_rate: (wanted > 0.0).then(|| hits / wanted),
-        decode_disk_bytes_per_token: miss_bytes,
+        decode_copy_s,
+        decode_hit_rate: host.rate(),
+        decode_device_hit_rate: device.and(tier.rate()),
+        decode_disk_bytes_per_token: host.miss_bytes,
+        decode_copy_bytes_per_token: if device.is_some() { tier.miss_bytes } else { 0.0 },
         prefill_compute_s,
         prefill_disk_s,
+        prefill_copy_s,
+    }
+}
+
+/// A cache's expected hits over a token's MoE layers.
+#[derive(Default)]
+struct Hits {
+    hits: f64,
+    wanted: f64,
+    miss_bytes: f64,
+}
+
+impl Hits {
+    /// A layer whose `k` experts of `bytes` each hit at rate `h`.
+    fn add(&mut self, h: f64, k: usize, bytes: u64) {
+        self.hits += h * k as f64;
+        self.wanted += k as f64;
+        self.miss_bytes += (1.0 - h) * k as f64 * bytes as f64;
+    }
+
+    fn rate(&self) -> Option<f64> {
+        (self.wanted > 0.0).then(|| self.hits / self.wanted)
+    }
+}
+
+/// Hit rate of a cache of `slots` under `policy`: LRU by Che's approximation
+/// ([`lru_hit_rate`]), LFU as the cache of the most popular experts it converges to
+/// on routing that keeps its popularity.
+pub fn hit_rate(policy: Policy, probs: &[f64], slots: usize) -> f64 {
+    match policy {
+        Policy::Lru => lru_hit_rate(probs, slots),
+        Policy::Lfu => {
+            let total: f64 = probs.iter().sum();
+            if slots >= probs.len() || total <= 0.0 {
+                return 1.0;
+            }
+            let mut sorted = probs.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            sorted[..slots].iter().sum::<f64>() / total
+        }
     }
 }
 

@@ -5,8 +5,11 @@
 use std::path::Path;
 
 use sluice_core::Error;
-use sluice_engine::plan::{self, Part, Placement, Request, WeightsPlace};
-use sluice_experts::{CacheBudget, ExpertLayout, Residency};
+use sluice_core::{KvFormat, Precision};
+use sluice_engine::Cpu;
+use sluice_engine::backend::DeviceRates;
+use sluice_engine::plan::{self, Machine, Part, Placement, Profile, Request, Routing, WeightsPlace};
+use sluice_experts::{CacheBudget, ExpertLayout, Policy, Residency};
 use sluice_formats::Checkpoint;
 
 fn open(name: &str) -> (Checkpoint, ExpertLayout) {
@@ -99,14 +102,37 @@ fn prediction_adds_up_what_was_measured() {
     let profile = plan::Profile::of(&ckpt, &layout);
     let req = Request { expert_cache: Some(CacheBudget::SlotsPerLayer(4)), ..Default::default() };
     let at = plan::place(&ckpt, &layout, &req).unwrap();
-    // A machine where every product takes 1 ms (1 ms per prompt row too), attention
-    // nothing, and the disk reads 1 MB/s.
-    let machine = plan::Machine {
+    // A machine where every product and each MoE layer's experts take 1 ms, attention
+    // and small operations nothing, and the disk reads 1 MB/s.
+    let machine = Machine { disk_bytes_per_s: Some(1e6), ..flat_machine(&profile) };
+    let p = plan::predict(&profile, &at, &machine, LRU_UNIFORM, None);
+    let dense: usize = profile.products.iter().filter(|p| p.part != Part::Expert).map(|p| p.per_token).sum();
+    let experts_s = profile.moe_layers.len() as f64 * 1e-3;
+    assert!((p.decode_memory_s - (dense as f64 * 1e-3 + experts_s)).abs() < 1e-9);
+    // Uniform routing over 8 experts with 4 slots: half of the top-2 reads hit.
+    assert!((p.decode_hit_rate.unwrap() - 0.5).abs() < 1e-3, "{:?}", p.decode_hit_rate);
+    let expert = profile.moe_layers[0].expert_bytes as f64;
+    let misses = 3.0 * 2.0 * 0.5 * expert;
+    assert!((p.decode_disk_bytes_per_token - misses).abs() / misses < 1e-3);
+    // Streamed, a layer's reads overlap its expert products, not the rest.
+    let step_s = p.decode_memory_s - experts_s + experts_s.max(misses / 1e6);
+    assert!(misses / 1e6 > experts_s, "the disk binds in this example");
+    assert!((p.decode_tok_s - 1.0 / step_s).abs() < 1e-6, "{} against {}", p.decode_tok_s, 1.0 / step_s);
+}
+
+const LRU_UNIFORM: Routing<'static> = Routing { hist: None, policy: Policy::Lru };
+
+/// A machine where every product takes 1 ms (and 1 ms per prompt row), a MoE layer's
+/// experts 1 ms a decode row, attention and small operations nothing; no disk, no
+/// device.
+fn flat_machine(profile: &Profile) -> Machine {
+    Machine {
         threads: 1,
         memory_read_bytes_per_s: 1e10,
         products: profile
             .products
             .iter()
+            .filter(|p| p.part != Part::Expert)
             .map(|p| plan::ProductTime {
                 dtype: p.dtype,
                 rows: p.rows,
@@ -117,20 +143,99 @@ fn prediction_adds_up_what_was_measured() {
             })
             .collect(),
         attention: profile.attention.iter().map(|_| plan::AttnTime { decode_s: 0.0, prefill_s: 0.0 }).collect(),
-        disk_bytes_per_s: Some(1e6),
+        experts: Some(plan::ExpertsTime { decode_s: 1e-3, prefill_s: 1e-3 }),
+        small_op_s: 0.0,
+        disk_bytes_per_s: None,
+        device: None,
+    }
+}
+
+#[test]
+fn a_device_plan_splits_its_memory_and_adds_the_copies_it_lacks() {
+    let (ckpt, layout) = open("qwen3-moe");
+    let profile = Profile::of(&ckpt, &layout);
+    let req = Request { residency: Some(Residency::Resident), available: Some(1 << 40), ..Default::default() };
+    let at = plan::place(&ckpt, &layout, &req).unwrap();
+    let kv = 1000;
+    let expert = profile.moe_layers[0].expert_bytes;
+    // Room for the weights, the KV cache, the allowance and half of each layer's
+    // experts (4 of 8, on 3 layers).
+    let base = at.resident_bytes + kv + (1 << 30);
+    let split = at.on_device(&profile, base + 3 * 4 * expert, kv).unwrap();
+    assert_eq!((split.tier_bytes, split.tier_experts_per_layer), (3 * 4 * expert, 4));
+    assert_eq!(
+        at.on_device(&profile, base + (1 << 40), kv).unwrap().tier_bytes,
+        at.expert_bytes,
+        "at most every expert"
+    );
+    // Too little room for the weights: the error names the sizes, as loading would fail.
+    let short = at.on_device(&profile, base - 1, kv);
+    assert!(matches!(&short, Err(Error::Usage(m)) if m.contains("weights other than routed experts")), "{short:?}");
+
+    // Copies of the tier's misses from page-locked memory at 1 MB/s, small operations
+    // of 10 us, every product 1 ms.
+    let rates = DeviceRates {
+        name: "test".into(),
+        total_bytes: 1 << 40,
+        copy_bytes_per_s: 1e12,
+        locked_bytes_per_s: 1e6,
+        pageable_bytes_per_s: 1e5,
     };
-    let p = plan::predict(&profile, &at, &machine, None);
-    let products: usize = profile.products.iter().map(|p| p.per_token).sum();
-    assert!((p.decode_memory_s - products as f64 * 1e-3).abs() < 1e-9);
-    // Uniform routing over 8 experts with 4 slots: half of the top-2 reads hit.
-    assert!((p.decode_hit_rate.unwrap() - 0.5).abs() < 1e-3, "{:?}", p.decode_hit_rate);
-    let expert = profile.moe_layers[0].expert_bytes as f64;
-    let misses = 3.0 * 2.0 * 0.5 * expert;
-    assert!((p.decode_disk_bytes_per_token - misses).abs() / misses < 1e-3);
-    // Streamed, a layer's reads overlap its expert products, not the rest.
-    let experts_s =
-        profile.products.iter().filter(|p| p.part == Part::Expert).map(|p| p.per_token).sum::<usize>() as f64 * 1e-3;
-    let step_s = p.decode_memory_s - experts_s + experts_s.max(misses / 1e6);
-    assert!(misses / 1e6 > experts_s, "the disk binds in this example");
-    assert!((p.decode_tok_s - 1.0 / step_s).abs() < 1e-6, "{} against {}", p.decode_tok_s, 1.0 / step_s);
+    let machine = Machine { small_op_s: 1e-5, device: Some(rates), ..flat_machine(&profile) };
+    let p = plan::predict(&profile, &at, &machine, LRU_UNIFORM, Some(&split));
+    // Uniform routing over 8 experts with 4 held: half of the top-2 reads are copied.
+    assert!((p.decode_device_hit_rate.unwrap() - 0.5).abs() < 1e-3, "{:?}", p.decode_device_hit_rate);
+    let copied = 3.0 * 2.0 * 0.5 * expert as f64;
+    assert!((p.decode_copy_bytes_per_token - copied).abs() / copied < 1e-3);
+    assert!((p.decode_copy_s - copied / 1e6).abs() < 1e-9, "page-locked copies for a resident store");
+    let dense: usize = profile.products.iter().filter(|p| p.part != Part::Expert).map(|p| p.per_token).sum();
+    let small = (profile.layers * plan::SMALL_OPS_PER_LAYER) as f64 * 1e-5;
+    assert!((p.decode_small_ops_s - small).abs() < 1e-12);
+    let step = (dense + profile.moe_layers.len()) as f64 * 1e-3 + small + copied / 1e6;
+    assert!((1.0 / p.decode_tok_s - step).abs() < 1e-9, "products, small ops and copies add up");
+    assert_eq!((p.decode_hit_rate, p.decode_disk_s), (None, 0.0), "resident: nothing from disk");
+    // Every expert in the tier: nothing copied.
+    let all = at.on_device(&profile, base + at.expert_bytes, kv).unwrap();
+    let p = plan::predict(&profile, &at, &machine, LRU_UNIFORM, Some(&all));
+    assert_eq!((p.decode_device_hit_rate, p.decode_copy_s), (Some(1.0), 0.0));
+}
+
+#[test]
+fn lfu_holds_the_most_popular_and_beats_lru_on_skewed_routing() {
+    let uniform = vec![8.0 / 128.0; 128];
+    assert!((plan::hit_rate(Policy::Lfu, &uniform, 32) - 0.25).abs() < 1e-9);
+    assert_eq!(plan::hit_rate(Policy::Lfu, &uniform, 128), 1.0);
+    let z: Vec<f64> = (1..=128).map(|i| (i as f64).powf(-0.9)).collect();
+    let s: f64 = z.iter().sum();
+    let skewed: Vec<f64> = z.iter().map(|x| x / s * 8.0).collect();
+    let (lru, lfu) = (plan::hit_rate(Policy::Lru, &skewed, 32), plan::hit_rate(Policy::Lfu, &skewed, 32));
+    let top: f64 = skewed[..32].iter().sum::<f64>() / 8.0;
+    assert!((lfu - top).abs() < 1e-9 && lfu > lru && lru > 0.25, "lru {lru} lfu {lfu}");
+}
+
+/// The planner's measurement runs the backend's own kernels: on the CPU backend every
+/// product shape, attention geometry and the small operation take a positive time,
+/// and the CPU has no device.
+#[test]
+fn the_machine_is_measured_through_the_backend() {
+    let (ckpt, layout) = open("qwen3-moe");
+    let profile = Profile::of(&ckpt, &layout);
+    let on = plan::MeasureOn {
+        ckpt: &ckpt,
+        profile: &profile,
+        precision: plan::Precisions::of(Some(Precision::Accurate)),
+        kv: KvFormat::F32,
+        disk: None,
+    };
+    let m = Machine::measure(&Cpu::default(), &on).unwrap();
+    let not_experts = profile.products.iter().filter(|p| p.part != Part::Expert).count();
+    assert_eq!(m.products.len(), not_experts, "the experts are timed as a layer's, together");
+    let positive = |s: f64| s > 0.0 && s < 1.0;
+    assert!(m.experts.is_some_and(|e| positive(e.decode_s) && positive(e.prefill_s)), "{:?}", m.experts);
+    assert!(m.products.iter().all(|t| positive(t.decode_s) && positive(t.prefill_s)), "{:?}", m.products);
+    assert!(m.attention.iter().all(|t| positive(t.decode_s) && positive(t.prefill_s)), "{:?}", m.attention);
+    assert!(positive(m.small_op_s) && m.device.is_none() && m.disk_bytes_per_s.is_none());
+    // One sequence's f32 cache: keys and values of 2 heads of 16 on 4 layers.
+    let kv = plan::kv_bytes(&Cpu::default(), &profile, KvFormat::F32, 100).unwrap();
+    assert_eq!(kv, 4 * 2 * 32 * 4 * 100);
 }

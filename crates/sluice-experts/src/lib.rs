@@ -197,6 +197,16 @@ pub enum FetchMode {
     Wait,
     /// The fetch returns once its reads are queued; the experts are taken as they arrive.
     Stream,
+    /// As `Stream`, for a device copying experts into a tier of its own ahead of their
+    /// use (its pilot's picks, or every expert at load): not counted as routed to in
+    /// the routing histogram.
+    Ahead,
+}
+
+impl FetchMode {
+    fn streams(self) -> bool {
+        self != FetchMode::Wait
+    }
 }
 
 /// One expert taken from a lease; a streamed slot is given back when it drops.
@@ -637,7 +647,7 @@ impl ExpertStore {
     }
 
     /// Checks a request and records it; returns the ids without duplicates.
-    fn admit(&self, layer: usize, ids: &[usize]) -> Result<(&LayerExperts, Vec<usize>)> {
+    fn admit(&self, layer: usize, ids: &[usize], mode: FetchMode) -> Result<(&LayerExperts, Vec<usize>)> {
         let le = self
             .layout
             .layer(layer)
@@ -655,8 +665,10 @@ impl ExpertStore {
             }
         }
         let mut bytes = 0;
+        if mode != FetchMode::Ahead {
+            self.note_routed(layer, &out);
+        }
         for &id in &out {
-            self.hist[layer][id].fetch_add(1, Ordering::Relaxed);
             bytes += le.plans[id].bytes as u64;
         }
         self.layer_requests[layer].fetch_add(out.len() as u64, Ordering::Relaxed);
@@ -676,7 +688,7 @@ impl ExpertStore {
     /// [`fetch`](Self::fetch), or with [`FetchMode::Stream`] a lease whose experts are
     /// taken as their reads end (see [`ExpertLease`]).
     pub fn fetch_with(&self, layer: usize, ids: &[usize], mode: FetchMode) -> Result<ExpertLease<'_>> {
-        let (le, ids) = self.admit(layer, ids)?;
+        let (le, ids) = self.admit(layer, ids, mode)?;
         let srcs = match &self.kind {
             Kind::Mapped => ids.iter().map(|&x| Src::Mapped(&le.experts[x])).collect(),
             Kind::Resident { bufs, .. } => {
@@ -758,7 +770,7 @@ impl ExpertStore {
                         started.push(i);
                     }
                     // Streaming, a miss with no slot waits for one this lease gives back.
-                    None if mode == FetchMode::Stream => {}
+                    None if mode.streams() => {}
                     None => {
                         st.c.overflow += 1;
                         let buf = Arc::new(AlignedBuf::new(le.slot_bytes));
@@ -773,7 +785,7 @@ impl ExpertStore {
         }
         s.reader.pool.submit(jobs, true);
         promote.iter().for_each(|l| s.reader.pool.promote(l));
-        if mode == FetchMode::Stream {
+        if mode.streams() {
             let stream = stream::Stream::new(stream::Parts { store: self, s, cache, le, layer }, &ids, items, started);
             return Ok(ExpertLease { ids, inner: Inner::Stream(stream) });
         }
@@ -898,6 +910,16 @@ impl ExpertStore {
     }
 
     /// How often each expert was fetched so far.
+    /// Counts experts `ids` of `layer` as routed to, for the routing histogram: a
+    /// device serving them from its own tier fetches only the others from the store.
+    pub fn note_routed(&self, layer: usize, ids: &[usize]) {
+        for &id in ids {
+            if let Some(c) = self.hist.get(layer).and_then(|h| h.get(id)) {
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     pub fn histogram(&self) -> RoutingHistogram {
         RoutingHistogram {
             layers: self.hist.iter().map(|l| l.iter().map(|c| c.load(Ordering::Relaxed)).collect()).collect(),

@@ -137,6 +137,21 @@ pub struct ExpertTraffic {
     pub vram_bytes: u64,
 }
 
+/// A device with memory of its own, as measured for `sluice plan`
+/// ([`Backend::device_rates`]).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DeviceRates {
+    pub name: String,
+    pub total_bytes: u64,
+    /// Bytes a copy within the device memory moves per second (each read once and
+    /// written once): the rate a product reading its weights can approach.
+    pub copy_bytes_per_s: f64,
+    /// Host to device, from page-locked memory (a resident store's experts) and from
+    /// pageable memory (the page cache's, for mapped experts).
+    pub locked_bytes_per_s: f64,
+    pub pageable_bytes_per_s: f64,
+}
+
 pub trait Backend: Send + Sync + Sized + 'static {
     /// A `[rows, cols]` f32 activation.
     type Act: Send + Sync;
@@ -271,6 +286,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// other weights (see [`Backend::adopt_experts`]); `None` for a backend without
     /// a tier of its own.
     fn expert_room(&self) -> Result<Option<u64>> {
+        Ok(None)
+    }
+    /// Measures the backend's device (about a second): its memory and the rates of
+    /// copies within it and from the host. `None` (the default) for a backend that
+    /// computes in host memory.
+    fn device_rates(&self) -> Result<Option<DeviceRates>> {
         Ok(None)
     }
     /// What the backend's own expert tier did (see [`Backend::adopt_experts`]); `None`
