@@ -152,6 +152,10 @@ pub struct PlanArgs {
     /// Only decide where the parts live; do not measure this machine or predict speed
     #[arg(long)]
     no_measure: bool,
+    /// With a GPU: the positions of one sequence's KV cache that its memory keeps
+    /// room for beside the weights (what is left holds experts)
+    #[arg(long, value_name = "N", default_value_t = plan::DEVICE_CONTEXT)]
+    context: usize,
     /// Print one JSON object instead of text
     #[arg(long)]
     json: bool,
@@ -1320,6 +1324,9 @@ pub fn plan(a: PlanArgs) -> Result<()> {
     if a.engine.record_routing.is_some() {
         return Err(Error::Usage("plan runs nothing to record: give a recorded histogram with --routing FILE".into()));
     }
+    if a.context == 0 {
+        return Err(Error::Usage("--context must be at least 1".into()));
+    }
     match choose_backend(&a.engine)? {
         BackendArg::Cpu => plan_on(&Cpu::default(), &a),
         BackendArg::Cuda => plan_on(&open_cuda(&a.engine)?, &a),
@@ -1350,7 +1357,7 @@ fn plan_on<B: Backend>(be: &B, a: &PlanArgs) -> Result<()> {
     let kv = opts.kv.unwrap_or_else(|| sluice_engine::default_kv_format(be, &ckpt));
     let device = match device_room {
         Some(room) => {
-            let kv_bytes = plan::kv_bytes(be, &profile, kv, plan::DEVICE_CONTEXT)?;
+            let kv_bytes = plan::kv_bytes(be, &profile, kv, a.context)?;
             Some(at.on_device(&profile, room, kv_bytes)?)
         }
         None => None,
@@ -1416,7 +1423,7 @@ fn plan_on<B: Backend>(be: &B, a: &PlanArgs) -> Result<()> {
             gib(d.room_bytes),
             if a.engine.gpu_memory.is_some() { "--gpu-memory" } else { "all but 4 GiB of what is free" },
             gib(d.weights_bytes),
-            plan::DEVICE_CONTEXT,
+            a.context,
             gib(d.kv_bytes),
             gib(d.scratch_bytes)
         );

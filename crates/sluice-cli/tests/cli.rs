@@ -630,6 +630,7 @@ fn plan_places_and_predicts() {
     assert_one_error(&sluice(&["plan", "--model", m, "--record-routing", "/tmp/x.json"]), "--routing");
     assert_one_error(&sluice(&["plan", "--model", m, "--routing", "/nonexistent/routing.json"]), "routing.json");
     assert_one_error(&sluice(&["plan", "--model", m, "--gpu-memory", "8GiB"]), "--gpu-memory");
+    assert_one_error(&sluice(&["plan", "--model", m, "--context", "0"]), "--context");
     // The GPU's plan: where CUDA cannot be used, why, in one line; where it can, the
     // device's split and its measured copies (the GPU tests check the figures).
     let gpu = sluice(&["plan", "--model", m, "--backend", "cuda", "--gpu-memory", "2GiB"]);

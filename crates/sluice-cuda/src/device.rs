@@ -220,34 +220,7 @@ impl Device {
             trace,
         };
         dev.prepare(Unit::Common)?;
-        if variant() == Some(40) {
-            dev.keep_freed_memory()?;
-        }
         Ok(dev)
-    }
-
-    /// Under measurement (`SLUICE_CUDA_VARIANT=40`): the stream-ordered allocator keeps
-    /// freed memory for the next allocation instead of giving it back to the driver
-    /// at each synchronisation (its default), which the tier's copies allocate and
-    /// free on every layer.
-    fn keep_freed_memory(&self) -> Result<()> {
-        use cudarc::driver::sys;
-        let mut pool = std::ptr::null_mut();
-        // SAFETY: the context is current (bound by CudaContext::new); `pool` receives
-        // the device's default pool, and the attribute takes a u64.
-        unsafe {
-            sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device())
-                .result()
-                .map_err(|e| fail("reading the memory pool", e))?;
-            let mut keep = u64::MAX;
-            sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut keep as *mut u64).cast(),
-            )
-            .result()
-            .map_err(|e| fail("setting the memory pool's release threshold", e))
-        }
     }
 
     /// Compiles (or finds in the cache) and loads unit `unit` unless it is loaded.

@@ -160,7 +160,7 @@ fn a_device_plan_splits_its_memory_and_adds_the_copies_it_lacks() {
     let expert = profile.moe_layers[0].expert_bytes;
     // Room for the weights, the KV cache, the allowance and half of each layer's
     // experts (4 of 8, on 3 layers).
-    let base = at.resident_bytes + kv + (1 << 30);
+    let base = at.resident_bytes + kv + (256 << 20);
     let split = at.on_device(&profile, base + 3 * 4 * expert, kv).unwrap();
     assert_eq!((split.tier_bytes, split.tier_experts_per_layer), (3 * 4 * expert, 4));
     assert_eq!(
