@@ -108,6 +108,7 @@ impl<B: Backend> Moe<B> {
     /// batch's choices.
     pub fn forward(&self, cx: &mut Cx<'_, B>, x: &B::Act, h: &B::Act) -> Result<B::Act> {
         let routing = self.route_from(cx, x, Some(h))?;
+        let mut probe = cx.probe_route(self.layer, x)?;
         if cx.pilot.is_some() {
             let chosen = unique(&cx.be.routing_ids(&routing)?);
             cx.observe(self.layer, &chosen);
@@ -128,9 +129,8 @@ impl<B: Backend> Moe<B> {
         // rest are read as the products give slots back and keep the disk busy until
         // the products end; the read-ahead then waits for them, and reads while the
         // next layer's attention computes instead of taking the disk from them.
-        let after = be.experts_queued(&f);
-        if !after {
-            cx.probe_next(layer, x)?;
+        if !be.experts_queued(&f) {
+            cx.probe_read(layer, probe.take())?;
         }
         let t = Instant::now();
         let out = be.moe(h, &routing, &f, &self.ffn);
@@ -142,9 +142,8 @@ impl<B: Backend> Moe<B> {
         drop(f);
         match out {
             Ok(out) => {
-                if after {
-                    cx.probe_next(layer, x)?;
-                }
+                // Not yet read when this layer's experts were queued (see above).
+                cx.probe_read(layer, probe)?;
                 Ok(out)
             }
             Err(e) => {

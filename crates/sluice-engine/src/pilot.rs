@@ -54,11 +54,18 @@ impl PilotStats {
 
 impl<B: Backend> Cx<'_, B> {
     /// With the pilot on: routes `x` (the residual as MoE layer `layer` starts)
-    /// through the next MoE layer's router and starts reading what it picks.
-    pub(crate) fn probe_next(&mut self, layer: usize, x: &B::Act) -> Result<()> {
-        let Some(net) = self.pilot.as_ref().map(|p| p.net) else { return Ok(()) };
-        let Some(next) = net.moe(layer + 1) else { return Ok(()) };
-        let routing = next.route(self, x)?;
+    /// through the next MoE layer's router. Queued before this layer's own choices are
+    /// read back, so that a device computes the probe while the host waits for those.
+    pub(crate) fn probe_route(&mut self, layer: usize, x: &B::Act) -> Result<Option<B::Routing>> {
+        let Some(net) = self.pilot.as_ref().map(|p| p.net) else { return Ok(None) };
+        let Some(next) = net.moe(layer + 1) else { return Ok(None) };
+        next.route(self, x).map(Some)
+    }
+
+    /// Starts reading what the probe of [`Cx::probe_route`] picked for layer `layer`
+    /// + 1, most picked first (the store's read-ahead, a device's copies ahead).
+    pub(crate) fn probe_read(&mut self, layer: usize, routing: Option<B::Routing>) -> Result<()> {
+        let Some(routing) = routing else { return Ok(()) };
         let picks = self.be.routing_ids(&routing)?;
         let mut ids = unique(&picks);
         let count = |e: usize| picks.iter().filter(|&&p| p as usize == e).count();
