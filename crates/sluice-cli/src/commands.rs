@@ -1494,21 +1494,16 @@ fn plan_on<B: Backend>(be: &B, a: &PlanArgs) -> Result<()> {
             ms(p.decode_small_ops_s),
             plan::SMALL_OPS_PER_LAYER * profile.layers
         );
+        // The experts a cache lacks: how long moving them takes, how many bytes, where
+        // from, and the cache's hit rate.
+        let misses = |s: f64, bytes: f64, how: &str, cache: &str, h: f64| {
+            format!(", {:.1} ms for {:.1} MB of experts {how}; {cache} hit rate {:.0}%", ms(s), bytes / 1e6, 100.0 * h)
+        };
         if let Some(h) = p.decode_device_hit_rate {
-            decode += &format!(
-                ", {:.1} ms copying {:.1} MB of experts to the device; its tier's hit rate {:.0}%",
-                ms(p.decode_copy_s),
-                p.decode_copy_bytes_per_token / 1e6,
-                100.0 * h
-            );
+            decode += &misses(p.decode_copy_s, p.decode_copy_bytes_per_token, "copied to the device", "VRAM tier", h);
         }
         if let Some(h) = p.decode_hit_rate {
-            decode += &format!(
-                ", {:.1} ms reading {:.1} MB of experts from disk; hit rate {:.0}%",
-                ms(p.decode_disk_s),
-                p.decode_disk_bytes_per_token / 1e6,
-                100.0 * h
-            );
+            decode += &misses(p.decode_disk_s, p.decode_disk_bytes_per_token, "read from disk", "expert cache", h);
         }
         println!("predicted  {decode} per token)");
         let mut prefill =
