@@ -1442,7 +1442,7 @@ impl Backend for Cuda {
                     break;
                 }
                 let empty =
-                    |m: sluice_core::MatRef<'_>| Ok::<_, Error>(DevMat::shaped(m, self.dev.alloc_bytes(m.data.len())?));
+                    |m: sluice_core::MatRef<'_>| Ok::<_, Error>(DevMat::shaped(m, self.dev.alloc::<u8>(m.data.len())?));
                 let x = DevExpert { gate: empty(m.gate)?, up: empty(m.up)?, down: empty(m.down)? };
                 for (d, h) in [(&x.gate, m.gate), (&x.up, m.up), (&x.down, m.down)] {
                     copies.push((self.p(&d.buf), h.data));

@@ -335,13 +335,6 @@ impl Device {
         Ok(d)
     }
 
-    /// `len` bytes allocated in the order of the compute stream (so that they are freed
-    /// after its last use of them), to be filled on the copy stream by
-    /// [`Device::copy_ahead`] once [`Device::copies_after_compute`] has ordered it.
-    pub fn alloc_bytes(&self, len: usize) -> Result<CudaSlice<u8>> {
-        self.alloc::<u8>(len)
-    }
-
     /// Makes the copy stream wait for what the compute stream has queued so far (the
     /// allocations the copies fill).
     pub fn copies_after_compute(&self) -> Result<()> {

@@ -195,6 +195,15 @@ pub struct AttnShape {
     pub layers: usize,
 }
 
+impl AttnShape {
+    /// A layer's KV cache of this shape in `kv`'s format (a sliding window's ring at
+    /// least 16 bits, as the engine keeps it).
+    fn kv_layout(&self, kv: KvFormat) -> KvLayout<'static> {
+        let format = if self.window.is_some() { kv.for_sliding() } else { kv };
+        KvLayout { window: self.window, ..KvLayout::plain(self.n_kv_heads * self.head_dim, self.head_dim, format) }
+    }
+}
+
 /// A MoE layer's routing geometry.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct MoeLayer {
@@ -381,10 +390,7 @@ impl Machine {
             });
         }
         let experts = match profile.moe_layers.first() {
-            Some(m) => Some(ExpertsTime {
-                decode_s: experts_time(&decode_be, ckpt, m, 1)?,
-                prefill_s: experts_time(&prefill_be, ckpt, m, PROMPT)?,
-            }),
+            Some(m) => Some(experts_time((&decode_be, &prefill_be), ckpt, m)?),
             None => None,
         };
         let mut attention = Vec::new();
@@ -475,38 +481,41 @@ fn decode_time<B: Backend>(be: &B, p: &Product) -> Result<f64> {
     Ok(t / copies as f64)
 }
 
-/// Seconds of MoE layer `m`'s routing, fetch and expert products over `rows` rows, on
-/// the model's own experts (mapped from its file), routed by random logits: a new
-/// set each run of a decode row, so that its weights come from memory as in a
-/// step (a device's tier takes them in the first runs).
-fn experts_time<B: Backend>(be: &B, ckpt: &Checkpoint, m: &MoeLayer, rows: usize) -> Result<f64> {
+/// MoE layer `m`'s routing, fetch and expert products on the model's own experts
+/// (mapped from its file), routed by random logits: a decode row on `decode`, a new
+/// set of choices each run so that its weights come from memory as in a step (a
+/// device's tier takes them in the first runs), and [`PROMPT`] rows on `prefill`.
+fn experts_time<B: Backend>((decode, prefill): (&B, &B), ckpt: &Checkpoint, m: &MoeLayer) -> Result<ExpertsTime> {
     const SETS: usize = 16;
-    let moe = crate::moe::Moe::load(be, ckpt, m.layer, crate::moe::RouterInput::Plain)?;
+    let moe = crate::moe::Moe::load(decode, ckpt, m.layer, crate::moe::RouterInput::Plain)?;
     let store = ExpertStore::open_mapped(ckpt)?;
     let hidden = ckpt.spec.hidden_size;
-    let h = be.upload(rows, hidden, &vec![0.01f32; rows * hidden])?;
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut logits = Vec::new();
-    for _ in 0..SETS {
-        let l: Vec<f32> = (0..rows * m.experts)
+    let mut random = |n: usize| -> Vec<f32> {
+        (0..n)
             .map(|_| {
                 seed ^= seed << 13;
                 seed ^= seed >> 7;
                 seed ^= seed << 17;
                 (seed >> 40) as f32 / (1u64 << 24) as f32
             })
-            .collect();
-        logits.push(be.upload(rows, m.experts, &l)?);
-    }
-    let sets = if rows == 1 { SETS } else { 1 };
-    let t = best_time(Duration::from_millis(60), || {
-        let mut last = None;
-        for l in &logits[..sets] {
-            last = Some(moe.experts_by(be, &store, l, &h)?);
-        }
-        wait(be, last)
-    })?;
-    Ok(t / sets as f64)
+            .collect()
+    };
+    // Seconds per set of runs of `be` over `rows` rows, one run per set of logits.
+    let mut time = |be: &B, rows: usize, sets: usize| -> Result<f64> {
+        let h = be.upload(rows, hidden, &vec![0.01f32; rows * hidden])?;
+        let logits =
+            (0..sets).map(|_| be.upload(rows, m.experts, &random(rows * m.experts))).collect::<Result<Vec<_>>>()?;
+        let t = best_time(Duration::from_millis(60), || {
+            let mut last = None;
+            for l in &logits {
+                last = Some(moe.experts_by(be, &store, l, &h)?);
+            }
+            wait(be, last)
+        })?;
+        Ok(t / sets as f64)
+    };
+    Ok(ExpertsTime { decode_s: time(decode, 1, SETS)?, prefill_s: time(prefill, PROMPT, 1)? })
 }
 
 /// Seconds of a product of `p`'s shape over `n` rows (the weights in cache: a prompt
@@ -527,8 +536,7 @@ fn attention_time<B: Backend>(be: &B, spec: &ModelSpec, a: &AttnShape, kv: KvFor
         .find(|s| (s.n_heads, s.n_kv_heads, s.head_dim, s.window) == (a.n_heads, a.n_kv_heads, a.head_dim, a.window))
         .expect("the profile's attention shapes come from the spec");
     let (qd, kd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
-    let format = if a.window.is_some() { kv.for_sliding() } else { kv };
-    let layout = KvLayout { window: a.window, ..KvLayout::plain(kd, a.head_dim, format) };
+    let layout = a.kv_layout(kv);
     let rows = |n: usize, width: usize| be.upload(n, width, &vec![0.25f32; n * width]);
     let mut held = be.kv_new(&layout)?;
     be.kv_append(&mut held, &rows(PROMPT, kd)?, &rows(PROMPT, kd)?, SeqRows { first: 0, rows: PROMPT, start: 0 })?;
@@ -592,9 +600,7 @@ const SCRATCH_ALLOWANCE: u64 = 256 << 20;
 pub fn kv_bytes<B: Backend>(be: &B, p: &Profile, kv: KvFormat, positions: usize) -> Result<u64> {
     let mut total = 0u64;
     for a in &p.attention {
-        let format = if a.window.is_some() { kv.for_sliding() } else { kv };
-        let layout = KvLayout { window: a.window, ..KvLayout::plain(a.n_kv_heads * a.head_dim, a.head_dim, format) };
-        let per_position = be.kv_bytes_per_position(&be.kv_new(&layout)?) as u64;
+        let per_position = be.kv_bytes_per_position(&be.kv_new(&a.kv_layout(kv))?) as u64;
         total += a.layers as u64 * per_position * a.window.map_or(positions, |w| w.min(positions)) as u64;
     }
     Ok(total)
