@@ -8,13 +8,14 @@ use sluice_core::{
     Activation, DType, Error, Glu, HeadOrder, KvFormat, KvLayout, Precision, Result, RopeSpec, RopeStyle, RouterKind,
 };
 use sluice_engine::backend::{
-    AttnOp, Backend, DeltaOp, DeviceRates, ExpertFfn, ExpertTraffic, HeadCols, Norm, RouterOp, check_head_cols,
+    AttnOp, Backend, DeltaOp, DeviceRates, ExpertFfn, ExpertTraffic, HeadCols, KvAppend, Norm, RouterOp,
+    check_head_cols,
 };
 use sluice_engine::batch::{Batch, RowPrecision, SeqRows};
 use sluice_experts::{ExpertLease, ExpertStore, FetchMode, PageLock, Policy, Residency};
 use sluice_formats::TensorView;
 
-use crate::device::{Device, HostLocker, Scratch, elementwise, fail, format_suffix, grid, launch};
+use crate::device::{Device, HostLocker, Scratch, elementwise, fail, format_suffix, grid, launch, variant};
 use crate::tier::{TierKey, TierPolicy};
 
 /// A row-major `[rows, cols]` f32 matrix in device memory.
@@ -119,6 +120,19 @@ pub struct DevRouting {
     ids: Scratch<u32>,
     weights: Scratch<f32>,
     host_ids: Mutex<Option<Vec<u32>>>,
+    /// The grouped products' plan, where the routing's launch made it too.
+    plan: Option<ExpertPlan>,
+}
+
+/// The grouped expert products' plan of a routing (kernels.cu's `plan_block`): the
+/// (row, slot)s routed to each expert, expert after expert, their step rows and
+/// experts, and the work items of up to `MM_ROWS` rows of one expert.
+struct ExpertPlan {
+    slots: Scratch<u32>,
+    rows: Scratch<u32>,
+    expert_of: Scratch<u32>,
+    work: Scratch<u32>,
+    n_work: usize,
 }
 
 /// One expert's three matrices in device memory.
@@ -291,6 +305,8 @@ pub struct Cuda {
     /// The precision of each row of the step ([`Backend::with_precision`]).
     precision: RowPrecision,
     products: Products,
+    /// See [`Cuda::merge_counts`].
+    merge_counts: Arc<Mutex<Option<CudaSlice<u32>>>>,
 }
 
 impl Cuda {
@@ -305,7 +321,23 @@ impl Cuda {
             constants: Arc::default(),
             precision: RowPrecision::default(),
             products: Products::from_env(),
+            merge_counts: Arc::default(),
         })
+    }
+
+    /// The address of at least `n` counters, all 0, for attention's joins of a row's
+    /// partials by its last block (kernels.cu's `attention_dims`, which leaves them 0
+    /// again); `None` where `SLUICE_CUDA_VARIANT=50` asks for the separate
+    /// `attention_merge` launch (for measuring).
+    fn merge_counts(&self, n: usize) -> Result<Option<u64>> {
+        if variant() == Some(50) {
+            return Ok(None);
+        }
+        let mut c = self.merge_counts.lock().unwrap_or_else(|e| e.into_inner());
+        if c.as_ref().is_none_or(|c| c.len() < n) {
+            *c = Some(self.dev.zeros::<u32>(n.next_power_of_two())?);
+        }
+        Ok(c.as_ref().map(|c| self.p(c)))
     }
 
     /// The same GPU, taking at most `bytes` of its memory: resident weights must fit
@@ -680,6 +712,62 @@ impl Cuda {
     /// output written to its row of `per_slot`: the device plans the work from the
     /// routing (no ids on the host), then three grouped products, one launch each
     /// for every expert of the layer. `shape` is any of the experts (they share one).
+    /// Grows `kv` for one sequence's rows `seq` of `k` and `v` where it lacks room,
+    /// and says what kernels.cu's `kv_write` takes to append them (`None`: no rows).
+    fn kv_room(&self, kv: &mut DevKv, k: &DevAct, v: &DevAct, seq: SeqRows) -> Result<Option<KvWrite>> {
+        let (d, n) = (kv.kv_dim, seq.rows);
+        if n == 0 {
+            return Ok(None);
+        }
+        // Room for the positions held after this append: all of them, or the ring.
+        let held = kv.window.map_or(kv.len + n, |w| (kv.len + n).min(w));
+        if held > kv.cap {
+            let cap = match kv.window {
+                Some(w) => held.max((2 * kv.cap).min(w)),
+                None => held.max(2 * kv.cap).max(16),
+            };
+            for buf in [&mut kv.k, &mut kv.v] {
+                let mut grown = self.dev.zeros::<f32>(cap * d)?;
+                if kv.cap > 0 {
+                    self.dev
+                        .stream
+                        .memcpy_dtod(&buf.slice(..kv.cap * d), &mut grown.slice_mut(..kv.cap * d))
+                        .map_err(|e| fail("growing a KV cache", e))?;
+                }
+                *buf = grown;
+            }
+            kv.cap = cap;
+        }
+        // Of a chunk longer than the ring only the last `window` rows survive.
+        let skip = kv.window.map_or(0, |w| n.saturating_sub(w));
+        let at = |src: &DevAct| self.p(&src.buf) + (seq.first * src.cols * 4) as u64;
+        Ok(Some(KvWrite {
+            kc: self.p(&kv.k),
+            vc: self.p(&kv.v),
+            k: at(k),
+            v: at(v),
+            len: kv.len as i64,
+            kv_dim: d as i32,
+            ring: kv.window.unwrap_or(0) as i32,
+            skip: skip as i32,
+            elements: (n - skip) * d,
+        }))
+    }
+
+    /// Room for the plan of `j` (row, slot)s over `e` experts.
+    fn expert_plan(&self, j: usize, e: usize) -> Result<ExpertPlan> {
+        // Work items: at most one part-filled one per expert used, plus the full ones.
+        let n_work = j.div_ceil(MM_ROWS) + e.min(j);
+        Ok(ExpertPlan {
+            slots: self.dev.scratch::<u32>(j)?,
+            rows: self.dev.scratch::<u32>(j)?,
+            expert_of: self.dev.scratch::<u32>(j)?,
+            // Work items (kernels.cu's `Work`) as four words each.
+            work: self.dev.scratch::<u32>(4 * n_work)?,
+            n_work,
+        })
+    }
+
     fn grouped_experts(
         &self,
         x: &DevAct,
@@ -693,15 +781,19 @@ impl Cuda {
         if j == 0 {
             return Ok(());
         }
-        // Work items: at most one part-filled one per expert used, plus the full ones.
-        let n_work = j.div_ceil(MM_ROWS) + e.min(j);
-        let (slots, rows, expert_of) =
-            (self.dev.scratch::<u32>(j)?, self.dev.scratch::<u32>(j)?, self.dev.scratch::<u32>(j)?);
-        // Work items (kernels.cu's `Work`, written by plan_experts) as four words each.
-        let work = self.dev.scratch::<u32>(4 * n_work)?;
-        launch!(&self.dev, "plan_experts", grid((1, 1), 256, (3 * e * 4) as u32);
-            self.p(&routing.ids), j as i32, k as i32, e as i32, self.p(&slots), self.p(&rows), self.p(&expert_of),
-            self.p(&work), n_work as i32)?;
+        let made;
+        let plan = match &routing.plan {
+            Some(p) => p,
+            None => {
+                made = self.expert_plan(j, e)?;
+                launch!(&self.dev, "plan_experts", grid((1, 1), 256, plan_shared(e));
+                    self.p(&routing.ids), j as i32, k as i32, e as i32, self.p(&made.slots), self.p(&made.rows),
+                    self.p(&made.expert_of), self.p(&made.work), made.n_work as i32)?;
+                &made
+            }
+        };
+        let ExpertPlan { slots, rows, expert_of, work, n_work } = plan;
+        let n_work = *n_work;
         // `xrow`: the step's row of each compact row (null: the input is the compact
         // rows themselves, whose step rows are `rows`).
         // A work item has at most as many rows as the step has (each row chooses an
@@ -711,14 +803,14 @@ impl Cuda {
         // `mats`: (table of expert addresses, an expert's matrix, output) of matrices
         // that read `input`; decode rows take those of one format in one launch.
         let grouped = |mats: &[(&CudaSlice<u64>, &DevMat, &DevAct)], input: &DevAct, xrow: u64, yrow: u64| {
-            let (cols, x_at, work) = (input.cols as i32, self.p(&input.buf), self.p(&work));
+            let (cols, x_at, work) = (input.cols as i32, self.p(&input.buf), self.p(work));
             let mut i = 0;
             while i < mats.len() {
                 let (ws, m, y) = mats[i];
                 let suffix = format_suffix(m.dtype);
                 let (ws, y_at) = (self.p(ws), self.p(&y.buf));
                 if self.products.integer(m.dtype) {
-                    let map = if xrow == 0 { Some(self.p(&rows)) } else { None };
+                    let map = if xrow == 0 { Some(self.p(rows)) } else { None };
                     let qin = self.qin(self.quantized(input, map)?, input.rows, input.cols);
                     launch!(&self.dev, &format!("mmgq_{suffix}"), grid((m.rows as u32, n_work as u32), 128, 0);
                         ws, m.row_bytes as i64, m.rows as i32, qin, xrow, work, y_at, yrow)?;
@@ -741,17 +833,33 @@ impl Cuda {
             Ok::<(), Error>(())
         };
         let (inter, hidden) = (shape.gate.rows, shape.down.rows);
+        let (gate, up) = (&shape.gate, &shape.up);
+        if ffn.bias.is_none()
+            && outputs_per_block(step_rows, gate.cols) == 4
+            && gate.dtype == up.dtype
+            && (gate.rows, gate.cols, gate.row_bytes) == (up.rows, up.cols, up.row_bytes)
+            && !self.products.integer(gate.dtype)
+        {
+            // Decode rows: gate, up and their GLU in one launch (mmglu_), then down.
+            let g = self.act(j, inter)?;
+            let (kind, alpha, limit) = glu_args(ffn.glu);
+            launch!(&self.dev, &format!("mmglu_{}", format_suffix(gate.dtype)),
+                grid((inter.div_ceil(2) as u32, n_work as u32), 128, 0);
+                self.p(&tables.gate), self.p(&tables.up), gate.row_bytes as i64, inter as i32, gate.cols as i32,
+                self.p(&x.buf), self.p(rows), self.p(work), self.p(&g.buf), kind, alpha, limit)?;
+            return grouped(&[(&tables.down, &shape.down, per_slot)], &g, 0, self.p(slots));
+        }
         let (mut g, mut u) = (self.act(j, inter)?, self.act(j, inter)?);
-        grouped(&[(&tables.gate, &shape.gate, &g), (&tables.up, &shape.up, &u)], x, self.p(&rows), 0)?;
+        grouped(&[(&tables.gate, &shape.gate, &g), (&tables.up, &shape.up, &u)], x, self.p(rows), 0)?;
         let bias = |a: &mut DevAct, b: &DevVector| -> Result<()> {
             let n = a.len();
             launch!(&self.dev, "add_expert_bias", elementwise(n);
-                self.w(a), self.p(&b.dev), self.p(&expert_of), a.cols as i32, n as i64)
+                self.w(a), self.p(&b.dev), self.p(expert_of), a.cols as i32, n as i64)
         };
         let Some(b) = &ffn.bias else {
             self.glu(&mut g, &u, ffn.glu)?;
             // The down product writes each compact row's output to its slot.
-            return grouped(&[(&tables.down, &shape.down, per_slot)], &g, 0, self.p(&slots));
+            return grouped(&[(&tables.down, &shape.down, per_slot)], &g, 0, self.p(slots));
         };
         bias(&mut g, &b.gate)?;
         bias(&mut u, &b.up)?;
@@ -763,7 +871,7 @@ impl Cuda {
         bias(&mut d, &b.down)?;
         let n = d.len();
         launch!(&self.dev, "scatter_rows", elementwise(n);
-            self.p(&d.buf), self.p(&slots), hidden as i32, self.p(&per_slot.buf), n as i64)
+            self.p(&d.buf), self.p(slots), hidden as i32, self.p(&per_slot.buf), n as i64)
     }
 }
 
@@ -782,6 +890,12 @@ fn outputs_per_block(rows: usize, cols: usize) -> usize {
         2 => 2,
         _ => 1,
     }
+}
+
+/// Shared memory of a plan over `e` experts (kernels.cu's `plan_block`: a count, a
+/// start and a first work item per expert).
+fn plan_shared(e: usize) -> u32 {
+    (3 * e * size_of::<i32>()) as u32
 }
 
 /// Input rows per pass of a product over the weights (`MM_ROWS` in kernels.cu).
@@ -859,6 +973,56 @@ struct MatDesc {
     ptr: u64,
 }
 
+/// One layer's append to a sequence's KV cache, as kernels.cu's `kv_write` takes it:
+/// the caches, the rows' keys and values, the cache's length, width, ring (0: none)
+/// and the rows a ring drops; and the elements of keys (or values) written.
+struct KvWrite {
+    kc: u64,
+    vc: u64,
+    k: u64,
+    v: u64,
+    len: i64,
+    kv_dim: i32,
+    ring: i32,
+    skip: i32,
+    elements: usize,
+}
+
+/// Layers of one `kv_write_layers` launch at most (`KV_LAYERS` in kernels.cu).
+const KV_LAYERS: usize = 32;
+
+/// Up to [`KV_LAYERS`] layers' [`KvWrite`]s, as `KvWrites` in kernels.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct KvWrites {
+    kc: [u64; KV_LAYERS],
+    vc: [u64; KV_LAYERS],
+    k: [u64; KV_LAYERS],
+    v: [u64; KV_LAYERS],
+    len: [i64; KV_LAYERS],
+    kv_dim: [i32; KV_LAYERS],
+    ring: [i32; KV_LAYERS],
+    skip: [i32; KV_LAYERS],
+}
+
+impl Default for KvWrites {
+    fn default() -> KvWrites {
+        KvWrites {
+            kc: [0; KV_LAYERS],
+            vc: [0; KV_LAYERS],
+            k: [0; KV_LAYERS],
+            v: [0; KV_LAYERS],
+            len: [0; KV_LAYERS],
+            kv_dim: [0; KV_LAYERS],
+            ring: [0; KV_LAYERS],
+            skip: [0; KV_LAYERS],
+        }
+    }
+}
+
+// SAFETY: addresses and integers, laid out as the kernel's struct.
+unsafe impl cudarc::driver::DeviceRepr for KvWrites {}
+
 /// Attention's per-row description, as `RowMeta` in kernels.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -893,6 +1057,14 @@ struct QIn {
 
 // SAFETY: addresses and integers, laid out as the kernel's struct.
 unsafe impl cudarc::driver::DeviceRepr for QIn {}
+
+/// A gated unit as kernels.cu's `glu_of` takes it: its kind, alpha and limit.
+fn glu_args(glu: Glu) -> (i32, f32, f32) {
+    match glu {
+        Glu::Gated(a) => (act_code(a), 0.0, 0.0),
+        Glu::ClampedSwiglu { alpha, limit } => (2, alpha, limit),
+    }
+}
 
 fn act_code(a: Activation) -> i32 {
     match a {
@@ -1118,10 +1290,7 @@ impl Backend for Cuda {
     fn glu(&self, gate: &mut DevAct, up: &DevAct, glu: Glu) -> Result<()> {
         self.same_len(gate, up, "a gated unit")?;
         let n = gate.len();
-        let (kind, alpha, limit) = match glu {
-            Glu::Gated(a) => (act_code(a), 0.0f32, 0.0f32),
-            Glu::ClampedSwiglu { alpha, limit } => (2, alpha, limit),
-        };
+        let (kind, alpha, limit) = glu_args(glu);
         launch!(&self.dev, "glu", elementwise(n); self.w(gate), self.p(&up.buf), kind, alpha, limit, n as i64)
     }
 
@@ -1154,8 +1323,35 @@ impl Backend for Cuda {
         }
         let r = self.rope_args(batch, rope)?;
         launch!(&self.dev, "norm_rope", grid(((x.cols / hd) as u32, x.rows as u32), 256, 0);
-            self.w(x), x.cols as i32, hd as i32, self.p(&weight.dev), n.offset, n.eps, r.positions, r.inv_freq,
-            r.pairs, r.style, r.factor)
+            self.w(x), x.cols as i32, self.p(&weight.dev), 0u64, 0i32, 0u64, hd as i32, n.offset, n.eps,
+            r.positions, r.inv_freq, r.pairs, r.style, r.factor)
+    }
+
+    fn norm_rope_qk(
+        &self,
+        q: &mut DevAct,
+        qn: &Norm<'_, Self>,
+        k: &mut DevAct,
+        kn: &Norm<'_, Self>,
+        batch: &Batch,
+        rope: &RopeSpec,
+    ) -> Result<()> {
+        let hd = qn.group;
+        let one_launch = (qn.offset, qn.eps) == (kn.offset, kn.eps)
+            && kn.group == hd
+            && hd > 0
+            && q.cols % hd == 0
+            && k.cols % hd == 0
+            && q.rows == k.rows
+            && q.len() > 0;
+        let (Some(qw), Some(kw), true) = (qn.weight, kn.weight, one_launch) else {
+            self.norm_rope(q, qn, batch, rope)?;
+            return self.norm_rope(k, kn, batch, rope);
+        };
+        let r = self.rope_args(batch, rope)?;
+        launch!(&self.dev, "norm_rope", grid(((q.cols / hd + k.cols / hd) as u32, q.rows as u32), 256, 0);
+            self.w(q), q.cols as i32, self.p(&qw.dev), self.w(k), k.cols as i32, self.p(&kw.dev), hd as i32,
+            qn.offset, qn.eps, r.positions, r.inv_freq, r.pairs, r.style, r.factor)
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<DevAct> {
@@ -1213,37 +1409,33 @@ impl Backend for Cuda {
     }
 
     fn kv_append(&self, kv: &mut DevKv, k: &DevAct, v: &DevAct, seq: SeqRows) -> Result<()> {
-        let (d, n) = (kv.kv_dim, seq.rows);
-        if n == 0 {
-            return Ok(());
-        }
-        // Room for the positions held after this append: all of them, or the ring.
-        let held = kv.window.map_or(kv.len + n, |w| (kv.len + n).min(w));
-        if held > kv.cap {
-            let cap = match kv.window {
-                Some(w) => held.max((2 * kv.cap).min(w)),
-                None => held.max(2 * kv.cap).max(16),
-            };
-            for buf in [&mut kv.k, &mut kv.v] {
-                let mut grown = self.dev.zeros::<f32>(cap * d)?;
-                if kv.cap > 0 {
-                    self.dev
-                        .stream
-                        .memcpy_dtod(&buf.slice(..kv.cap * d), &mut grown.slice_mut(..kv.cap * d))
-                        .map_err(|e| fail("growing a KV cache", e))?;
-                }
-                *buf = grown;
+        let Some(w) = self.kv_room(kv, k, v, seq)? else { return Ok(()) };
+        launch!(&self.dev, "kv_write", elementwise(2 * w.elements);
+            w.kc, w.vc, w.k, w.v, seq.rows as i32, w.kv_dim, w.len, w.ring, w.skip)?;
+        kv.len += seq.rows;
+        Ok(())
+    }
+
+    fn kv_append_layers(&self, mut appends: Vec<KvAppend<'_, Self>>, seq: SeqRows) -> Result<()> {
+        for chunk in appends.chunks_mut(KV_LAYERS) {
+            let mut t = KvWrites::default();
+            let (mut layers, mut most) = (0, 0);
+            for a in chunk.iter_mut() {
+                let Some(w) = self.kv_room(a.kv, a.k, a.v, seq)? else { continue };
+                let l = layers;
+                (t.kc[l], t.vc[l], t.k[l], t.v[l]) = (w.kc, w.vc, w.k, w.v);
+                (t.len[l], t.kv_dim[l], t.ring[l], t.skip[l]) = (w.len, w.kv_dim, w.ring, w.skip);
+                most = most.max(w.elements);
+                layers += 1;
             }
-            kv.cap = cap;
+            if layers > 0 {
+                let blocks = elementwise(2 * most).grid_dim.0;
+                launch!(&self.dev, "kv_write_layers", grid((blocks, layers as u32), 256, 0); t, seq.rows as i32)?;
+            }
+            for a in chunk.iter_mut() {
+                a.kv.len += seq.rows;
+            }
         }
-        let ring = kv.window.unwrap_or(0) as i32;
-        // Of a chunk longer than the ring only the last `window` rows survive.
-        let skip = kv.window.map_or(0, |w| n.saturating_sub(w));
-        let n_el = (n - skip) * d;
-        let at = |src: &DevAct| self.p(&src.buf) + (seq.first * src.cols * 4) as u64;
-        launch!(&self.dev, "kv_write", elementwise(2 * n_el);
-            self.p(&kv.k), self.p(&kv.v), at(k), at(v), n as i32, d as i32, kv.len as i64, ring, skip as i32)?;
-        kv.len += n;
         Ok(())
     }
 
@@ -1312,13 +1504,18 @@ impl Backend for Cuda {
             shared_mem_bytes: ((hd + ATT_WARPS * (hd + 2)) * 4) as u32,
         };
         let window = s.window.unwrap_or(0) as i32;
+        let sinks = op.sinks.map_or(0, |v| self.p(&v.dev));
+        // The last block of a row and head joins its partials, unless measuring the
+        // separate join.
+        let counts = self.merge_counts(rows * s.n_heads)?;
         launch!(&self.dev, kernel, cfg;
             self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), kc, vc, ring,
             meta, chosen, s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
-            splits as i32, self.p(&part))?;
-        launch!(&self.dev, "attention_merge", grid((s.n_heads as u32, rows as u32), 128, 0);
-            self.p(&part), meta, op.sinks.map_or(0, |v| self.p(&v.dev)), s.n_heads as i32, hd as i32, window,
-            splits as i32, self.p(&out.buf))?;
+            splits as i32, self.p(&part), sinks, self.p(&out.buf), counts.unwrap_or(0))?;
+        if counts.is_none() {
+            launch!(&self.dev, "attention_merge", grid((s.n_heads as u32, rows as u32), 128, 0);
+                self.p(&part), meta, sinks, s.n_heads as i32, hd as i32, window, splits as i32, self.p(&out.buf))?;
+        }
         Ok(out)
     }
 
@@ -1338,13 +1535,24 @@ impl Backend for Cuda {
             && r.choice_bias.is_none()
         {
             let (ids, weights) = (self.dev.scratch::<u32>(len)?, self.dev.scratch::<f32>(len)?);
-            if rows > 0 {
-                let vec = |v: &Option<DevVector>| v.as_ref().map_or(0, |v| self.p(&v.dev));
+            let vec = |v: &Option<DevVector>| v.as_ref().map_or(0, |v| self.p(&v.dev));
+            let (logits, bias, scale) = (self.p(&logits.buf), vec(&r.logit_bias), vec(&r.expert_scale));
+            let mut plan = None;
+            if (1..=4).contains(&rows) {
+                // A block of four warps routes up to four rows and then plans their
+                // products: one launch instead of two.
+                let p = self.expert_plan(len, e)?;
+                launch!(&self.dev, "route_plan", grid((1, 1), 128, plan_shared(e));
+                    logits, rows as i32, e as i32, k as i32, kind, renorm as i32, bias, scale, self.p(&ids),
+                    self.p(&weights), self.p(&p.slots), self.p(&p.rows), self.p(&p.expert_of), self.p(&p.work),
+                    p.n_work as i32)?;
+                plan = Some(p);
+            } else if rows > 0 {
                 launch!(&self.dev, "route_top_k", grid((rows.div_ceil(4) as u32, 1), 128, 0);
-                    self.p(&logits.buf), rows as i32, e as i32, k as i32, kind, renorm as i32,
-                    vec(&r.logit_bias), vec(&r.expert_scale), self.p(&ids), self.p(&weights))?;
+                    logits, rows as i32, e as i32, k as i32, kind, renorm as i32, bias, scale, self.p(&ids),
+                    self.p(&weights))?;
             }
-            return Ok(DevRouting { top_k: k, n_experts: e, len, ids, weights, host_ids: Mutex::new(None) });
+            return Ok(DevRouting { top_k: k, n_experts: e, len, ids, weights, host_ids: Mutex::new(None), plan });
         }
         // The others on the host, as the CPU backend routes.
         let host = self.dev.download(&logits.buf, logits.len())?;
@@ -1365,6 +1573,7 @@ impl Backend for Cuda {
             ids: self.dev.upload_scratch(&ids)?,
             weights: self.dev.upload_scratch(&weights)?,
             host_ids: Mutex::new(Some(ids)),
+            plan: None,
         })
     }
 

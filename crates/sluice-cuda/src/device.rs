@@ -189,6 +189,28 @@ pub(crate) struct Device {
     pools: Arc<Pools>,
     /// `SLUICE_CUDA_TRACE`: time by kernel and kind of call.
     trace: Option<(Trace, TraceCounts)>,
+    /// How each kernel follows the one before it on `stream`.
+    launches: Launches,
+}
+
+/// How a kernel follows the one before it on the compute stream.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Launches {
+    /// Started once that one has ended (the driver's default).
+    Serial,
+    /// Started while that one is still running, each kernel waiting at its entry
+    /// for the one before to end (kernels.cu's `grid_entry`; Hopper's programmatic
+    /// dependent launch): a decode step's some 770 kernels, most of them a few
+    /// microseconds long, no longer each wait a launch's latency. Compute capability
+    /// 9.0 and later; `SLUICE_CUDA_PDL=0` turns it off, for measuring.
+    Overlapped,
+}
+
+impl Launches {
+    fn of(capability: (i32, i32)) -> Launches {
+        let off = std::env::var("SLUICE_CUDA_PDL").is_ok_and(|v| v == "0");
+        if capability.0 >= 9 && !off { Launches::Overlapped } else { Launches::Serial }
+    }
 }
 
 impl Device {
@@ -218,6 +240,7 @@ impl Device {
             name,
             pools: Arc::default(),
             trace,
+            launches: Launches::of(capability),
         };
         dev.prepare(Unit::Common)?;
         Ok(dev)
@@ -256,6 +279,41 @@ impl Device {
         }
         self.prepare(Unit::of(name))?;
         lock(&self.kernels).get(name).cloned().ok_or_else(|| Error::Device(format!("cuda: no kernel {name}")))
+    }
+
+    /// Starts kernel `f` on the compute stream, `args` pointing at its arguments'
+    /// values in the kernel's order.
+    ///
+    /// # Safety
+    /// The arguments match the kernel's parameters in kernels.cu, and the buffers they
+    /// address outlive the launch (freeing is ordered by the stream).
+    pub unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: a plain C struct and union, zero a valid value of both.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.launches == Launches::Overlapped),
+        };
+        // SAFETY: the configuration lives through the call; the caller vouches for
+        // the arguments.
+        unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }.result()
     }
 
     /// With `SLUICE_CUDA_TRACE` set: adds the time since `from` to `name`'s count,
@@ -603,21 +661,28 @@ macro_rules! launch {
         let name: &str = $name;
         let f = dev.kernel(name)?;
         let from = std::time::Instant::now();
-        let mut b = dev.stream.launch_builder(&f);
-        $crate::device::launch!(@push b; $($arg),*);
+        let mut args: Vec<*mut std::ffi::c_void> = Vec::new();
+        $crate::device::launch!(@push args; $($arg),*);
         // SAFETY: the arguments match the kernel's parameters in kernels.cu, and the
         // buffers they address outlive the launch (freeing is ordered by the stream).
-        unsafe { b.launch($cfg) }.map(|_| ()).map_err(|e| $crate::device::fail(name, e))?;
+        unsafe { dev.launch(&f, $cfg, &mut args) }.map_err(|e| $crate::device::fail(name, e))?;
         dev.traced(name, from)
     }};
-    (@push $b:ident; ) => {};
-    (@push $b:ident; $a:expr $(, $rest:expr)*) => {
+    (@push $args:ident; ) => {};
+    (@push $args:ident; $a:expr $(, $rest:expr)*) => {
+        // Held in a local until the launch, which copies the value it points at.
         let v = $a;
-        cudarc::driver::PushKernelArg::arg(&mut $b, &v);
-        $crate::device::launch!(@push $b; $($rest),*);
+        $args.push($crate::device::arg_ptr(&v));
+        $crate::device::launch!(@push $args; $($rest),*);
     };
 }
 pub(crate) use launch;
+
+/// A kernel argument's address as the driver takes it; only types laid out as a
+/// kernel's parameters (`DeviceRepr`) qualify.
+pub(crate) fn arg_ptr<T: DeviceRepr>(v: &T) -> *mut std::ffi::c_void {
+    std::ptr::from_ref(v).cast_mut().cast()
+}
 
 /// A developer's choice among kernel variants under measurement
 /// (`SLUICE_CUDA_VARIANT`, kernels.cu's `SLUICE_VARIANT`), read once.
@@ -652,7 +717,7 @@ pub(crate) fn kernel_names(unit: Unit) -> Vec<String> {
             // The integer products exist for the K-quants only (kernels.cu).
             let integer: &[&str] =
                 if matches!(d, DType::Q4K | DType::Q5K | DType::Q6K) { &["mmq", "mmgq"] } else { &[] };
-            return ["mm", "mmo", "mmg", "mmgo", "embed"]
+            return ["mm", "mmo", "mmg", "mmgo", "mmglu", "embed"]
                 .iter()
                 .chain(integer)
                 .map(|k| format!("{k}_{}", format_suffix(d)))
@@ -678,6 +743,7 @@ pub(crate) fn kernel_names(unit: Unit) -> Vec<String> {
             "norm_rope",
             "rope",
             "kv_write",
+            "kv_write_layers",
             "attention_128",
             "attention_256",
             "attention_576",
@@ -686,6 +752,7 @@ pub(crate) fn kernel_names(unit: Unit) -> Vec<String> {
             "delta_rule",
             "route_top_k",
             "plan_experts",
+            "route_plan",
             "quantize_act",
         ],
     };

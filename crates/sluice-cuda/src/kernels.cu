@@ -10,6 +10,40 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef signed char i8;
 
+// Programmatic dependent launch (Hopper and later; device.rs's `Launches`): a kernel
+// may be started while the one before it in the stream is still running, so that its
+// blocks are resident when that one ends instead of a launch's latency later. Each
+// kernel therefore waits here, before it touches memory, for the one before to finish
+// and its writes to be visible (which, that one having waited likewise, covers every
+// kernel before it), and only then lets the next one be started. Without the launch
+// attribute both are no-ops.
+__device__ __forceinline__ void grid_entry() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
+}
+// Activation codes: 0 SiLU, 1 GELU (tanh), 2 sigmoid.
+__device__ __forceinline__ float act(int a, float x) {
+    return a == 0 ? silu(x) : a == 1 ? gelu_tanh(x) : 1.0f / (1.0f + expf(-x));
+}
+// A gated unit of gate g and up u: kind 0/1 gated with that activation, 2 gpt-oss's
+// clamped SwiGLU. One function for every kernel that applies it (glu, and the
+// grouped gate and up products that end in it), so that they give the same bits.
+__device__ __forceinline__ float glu_of(int kind, float alpha, float limit, float g, float u) {
+    if (kind == 2) {
+        float x = fminf(g, limit);
+        float v = fminf(fmaxf(u, -limit), limit);
+        return x / (1.0f + expf(-alpha * x)) * (v + 1.0f);
+    }
+    return act(kind, g) * u;
+}
+
 // Format codes, as kernels.rs numbers them.
 #define F_F32 0
 #define F_F16 1
@@ -509,6 +543,35 @@ __device__ void mm_grouped_outputs(const Many& m, int cols, const float* x, cons
                         ScatterY{(float*)p.y, yrow, p.out, p.o, it.start});
 }
 
+// An expert layer's gate and up products and their GLU in one launch, for work items
+// of decode rows: a block takes outputs o and o + 1 of gate and of up (the four
+// weight rows of mm_block_outputs' ro = 4, each sum the same expression, so the bits
+// of mm_grouped_outputs) and writes glu(gate, up) of both to y (compact rows,
+// `out` wide). Grid (ceil(out / 2), items).
+template <int F>
+__device__ void mm_grouped_glu(const unsigned long long* wg, const unsigned long long* wu, long long row_bytes,
+                               int out, int cols, const float* x, const u32* xrow, const Work* work, float* y,
+                               int kind, float alpha, float limit) {
+    __shared__ float sums[4];
+    Work it = work[blockIdx.y];
+    if (it.n == 0) return;
+    int o = 2 * blockIdx.x;
+    const u8 *row[MAX_OUTPUTS], *up[MAX_OUTPUTS];
+    out_rows((const u8*)wg[it.expert], row_bytes, o, 2, out, row);
+    out_rows((const u8*)wu[it.expert], row_bytes, o, 2, out, up);
+    row[2] = up[0], row[3] = up[1];
+    for (int r = 0; r < it.n; r++) {
+        if (r > 0) __syncthreads();  // the sums of the row before, read before written again
+        float acc[8];
+        GatherX gx{x, xrow, cols, it.start + r};
+        rows_loop<F, 1, 4>(row, cols, 1, gx, acc);
+        block_sums<4>(acc, 1, [&](int j, int, float s) { sums[j] = s; });
+        __syncthreads();
+        int t = threadIdx.x;
+        if (t < 2 && o + t < out) y[(long long)(it.start + r) * out + o + t] = glu_of(kind, alpha, limit, sums[t], sums[2 + t]);
+    }
+}
+
 // ---- Integer products: K-quant weights against quantized activations ----
 //
 // The inputs quantized per 32 elements to 8 or 16 bits as sluice_cpu::quant::act does
@@ -706,22 +769,29 @@ __device__ void embed(const u8* w, long long row_bytes, int cols, const u32* tok
 #define FORMAT_KERNELS(F, name)                                                                              \
     extern "C" __global__ void CAT(mmg_, name)(const unsigned long long* ws, long long row_bytes, int out, int cols, \
                                                const float* x, const u32* xrow, const Work* work, float* y,    \
-                                               const u32* yrow) {                                              \
+                                               const u32* yrow) { grid_entry();                                              \
         mm_grouped<F>(ws, row_bytes, out, cols, x, xrow, work, y, yrow);                                       \
     }                                                                                                          \
     extern "C" __global__ void CAT(mmgo_, name)(Many m, int cols, const float* x, const u32* xrow,             \
-                                                const Work* work, int ro, const u32* yrow) {                   \
+                                                const Work* work, int ro, const u32* yrow) { grid_entry();                   \
         mm_grouped_outputs<F>(m, cols, x, xrow, work, ro, yrow);                                               \
     }                                                                                                          \
+    extern "C" __global__ void CAT(mmglu_, name)(const unsigned long long* wg, const unsigned long long* wu,    \
+                                                 long long row_bytes, int out, int cols, const float* x,       \
+                                                 const u32* xrow, const Work* work, float* y, int kind,        \
+                                                 float alpha, float limit) {                                   \
+        grid_entry();                                                                                          \
+        mm_grouped_glu<F>(wg, wu, row_bytes, out, cols, x, xrow, work, y, kind, alpha, limit);                \
+    }                                                                                                          \
     extern "C" __global__ void CAT(mm_, name)(const u8* w, long long row_bytes, int out, int cols,             \
-                                              const float* x, int n, float* y) {                               \
+                                              const float* x, int n, float* y) { grid_entry();                               \
         mm<F>(w, row_bytes, out, cols, x, n, y);                                                               \
     }                                                                                                          \
-    extern "C" __global__ void CAT(mmo_, name)(Many m, int cols, const float* x, int n, int ro) {             \
+    extern "C" __global__ void CAT(mmo_, name)(Many m, int cols, const float* x, int n, int ro) { grid_entry();             \
         mm_outputs<F>(m, cols, x, n, ro);                                                                      \
     }                                                                                                          \
     extern "C" __global__ void CAT(embed_, name)(const u8* w, long long row_bytes, int cols, const u32* tok,   \
-                                                 float scale, float* out) {                                    \
+                                                 float scale, float* out) { grid_entry();                                    \
         embed<F>(w, row_bytes, cols, tok, scale, out);                                                         \
     }
 
@@ -732,11 +802,11 @@ FORMAT_KERNELS(SLUICE_FORMAT, SLUICE_FORMAT_NAME)
 // QIn argument (backend.rs's `QIn`).
 extern "C" __global__ void CAT(mmgq_, SLUICE_FORMAT_NAME)(const unsigned long long* ws, long long row_bytes, int out,
                                                          QIn in, const u32* xrow, const Work* work, float* y,
-                                                         const u32* yrow) {
+                                                         const u32* yrow) { grid_entry();
     mmq_grouped<SLUICE_FORMAT>(ws, row_bytes, out, in, xrow, work, y, yrow);
 }
 extern "C" __global__ void CAT(mmq_, SLUICE_FORMAT_NAME)(const u8* w, long long row_bytes, int out, QIn in,
-                                                        float* y) {
+                                                        float* y) { grid_entry();
     mmq<SLUICE_FORMAT>(w, row_bytes, out, in, y);
 }
 #endif
@@ -746,56 +816,39 @@ extern "C" __global__ void CAT(mmq_, SLUICE_FORMAT_NAME)(const u8* w, long long 
 
 #define EACH(n) for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float gelu_tanh(float x) {
-    return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
-}
-// Activation codes: 0 SiLU, 1 GELU (tanh).
-// 0 SiLU, 1 GELU (tanh), 2 sigmoid.
-__device__ __forceinline__ float act(int a, float x) {
-    return a == 0 ? silu(x) : a == 1 ? gelu_tanh(x) : 1.0f / (1.0f + expf(-x));
-}
 
-extern "C" __global__ void add(float* x, const float* y, long long n) { EACH(n) x[i] += y[i]; }
-extern "C" __global__ void mul(float* x, const float* y, long long n) { EACH(n) x[i] *= y[i]; }
-extern "C" __global__ void scale(float* x, float s, long long n) { EACH(n) x[i] *= s; }
-extern "C" __global__ void mul_row(float* x, const float* v, int cols, long long n) { EACH(n) x[i] *= v[i % cols]; }
-extern "C" __global__ void add_row(float* x, const float* v, int cols, long long n) { EACH(n) x[i] += v[i % cols]; }
-extern "C" __global__ void scale_rows(float* x, const float* s, int cols, long long n) { EACH(n) x[i] *= s[i / cols]; }
-extern "C" __global__ void activate(float* x, int a, long long n) { EACH(n) x[i] = act(a, x[i]); }
-extern "C" __global__ void softcap(float* x, float cap, long long n) { EACH(n) x[i] = tanhf(x[i] / cap) * cap; }
-// glu: 0/1 gated with that activation; 2 gpt-oss's clamped SwiGLU.
+extern "C" __global__ void add(float* x, const float* y, long long n) { grid_entry(); EACH(n) x[i] += y[i]; }
+extern "C" __global__ void mul(float* x, const float* y, long long n) { grid_entry(); EACH(n) x[i] *= y[i]; }
+extern "C" __global__ void scale(float* x, float s, long long n) { grid_entry(); EACH(n) x[i] *= s; }
+extern "C" __global__ void mul_row(float* x, const float* v, int cols, long long n) { grid_entry(); EACH(n) x[i] *= v[i % cols]; }
+extern "C" __global__ void add_row(float* x, const float* v, int cols, long long n) { grid_entry(); EACH(n) x[i] += v[i % cols]; }
+extern "C" __global__ void scale_rows(float* x, const float* s, int cols, long long n) { grid_entry(); EACH(n) x[i] *= s[i / cols]; }
+extern "C" __global__ void activate(float* x, int a, long long n) { grid_entry(); EACH(n) x[i] = act(a, x[i]); }
+extern "C" __global__ void softcap(float* x, float cap, long long n) { grid_entry(); EACH(n) x[i] = tanhf(x[i] / cap) * cap; }
 extern "C" __global__ void glu(float* g, const float* u, int kind, float alpha, float limit, long long n) {
-    EACH(n) {
-        if (kind == 2) {
-            float x = fminf(g[i], limit);
-            float v = fminf(fmaxf(u[i], -limit), limit);
-            g[i] = x / (1.0f + expf(-alpha * x)) * (v + 1.0f);
-        } else {
-            g[i] = act(kind, g[i]) * u[i];
-        }
-    }
+    grid_entry();
+    EACH(n) g[i] = glu_of(kind, alpha, limit, g[i], u[i]);
 }
 // out[r, :] = x[idx[r], :] (cols wide).
-extern "C" __global__ void gather_rows(const float* x, const u32* idx, int cols, float* out, long long n) {
+extern "C" __global__ void gather_rows(const float* x, const u32* idx, int cols, float* out, long long n) { grid_entry();
     EACH(n) out[i] = x[(long long)idx[i / cols] * cols + i % cols];
 }
 // out[idx[r], :] = x[r, :].
-extern "C" __global__ void scatter_rows(const float* x, const u32* idx, int cols, float* out, long long n) {
+extern "C" __global__ void scatter_rows(const float* x, const u32* idx, int cols, float* out, long long n) { grid_entry();
     EACH(n) out[(long long)idx[i / cols] * cols + i % cols] = x[i];
 }
 // x[j, :] += bias[ex[j] * cols ..] for each compact row j (per-expert biases).
-extern "C" __global__ void add_expert_bias(float* x, const float* bias, const u32* ex, int cols, long long n) {
+extern "C" __global__ void add_expert_bias(float* x, const float* bias, const u32* ex, int cols, long long n) { grid_entry();
     EACH(n) x[i] += bias[(long long)ex[i / cols] * cols + i % cols];
 }
 // out[r, c] = x[r, start + c] for c < len.
-extern "C" __global__ void columns(const float* x, int cols, int start, int len, float* out, long long n) {
+extern "C" __global__ void columns(const float* x, int cols, int start, int len, float* out, long long n) { grid_entry();
     EACH(n) out[i] = x[(i / len) * cols + start + i % len];
 }
 // Columns start..start + len of each of `heads` heads, from src to dst, row by row:
 // n = rows * heads * len.
 extern "C" __global__ void copy_columns(float* dst, int dcols, int dstart, const float* src, int scols, int sstart,
-                                        int heads, int len, long long n) {
+                                        int heads, int len, long long n) { grid_entry();
     EACH(n) {
         long long r = i / ((long long)heads * len);
         int rest = (int)(i % ((long long)heads * len)), h = rest / len, j = rest % len;
@@ -803,7 +856,7 @@ extern "C" __global__ void copy_columns(float* dst, int dcols, int dstart, const
     }
 }
 // out[r, :] = sum over j < k of w[r * k + j] * ys[r * k + j, :], in j order.
-extern "C" __global__ void combine(const float* ys, const float* w, int k, int cols, float* out, long long n) {
+extern "C" __global__ void combine(const float* ys, const float* w, int k, int cols, float* out, long long n) { grid_entry();
     EACH(n) {
         long long r = i / cols, c = i % cols;
         float s = 0.0f;
@@ -822,7 +875,7 @@ extern "C" __global__ void combine(const float* ys, const float* w, int k, int c
 // product, flags the step's rows). Writes QIn's arrays (kernels' `QIn`). A warp per
 // block of 32, a lane per element; block 256.
 extern "C" __global__ void quantize_act(const float* x, int n, int cols, int uniform, const u32* flags,
-                                        const u32* map, i8* q, float* d, float* sx, int* s16, u32* wide) {
+                                        const u32* map, i8* q, float* d, float* sx, int* s16, u32* wide) { grid_entry();
     long long g = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31, blocks = cols >> 5;
     if (g >= (long long)n * blocks) return;  // whole warps
@@ -893,7 +946,7 @@ __device__ __forceinline__ float group_inv_rms(double ss, int group, float eps) 
 // is the elements' order either way.
 #define NORM_BATCH 8
 extern "C" __global__ void rms_norm(float* x, const float* add, float* y, int group, const float* weight,
-                                    float offset, float eps) {
+                                    float offset, float eps) { grid_entry();
     long long at = (long long)blockIdx.x * group;
     float* g = x + at;
     double ss = 0.0;
@@ -954,11 +1007,16 @@ __device__ __forceinline__ int2 rope_ends(int style, int p, int hd) {
 // rms_norm over each head (hd elements, with a weight) and then rope, in one
 // launch and bit for bit the two one after the other (a query's or key's per-head
 // norm and rotation). Block (head, row) of 256; each thread normalizes and turns
-// the pairs it owns.
-extern "C" __global__ void norm_rope(float* x, int cols, int hd, const float* weight, float offset, float eps,
-                                     const u32* positions, const float* inv_freq, int pairs, int style,
-                                     float factor) {
-    int h = blockIdx.x, r = blockIdx.y;
+// the pairs it owns. The heads of x (cols wide) come first, then those of x2 (cols2
+// wide, normed with weight2; none where cols2 is 0): a step's queries and keys.
+extern "C" __global__ void norm_rope(float* x, int cols, const float* weight, float* x2, int cols2,
+                                     const float* weight2, int hd, float offset, float eps, const u32* positions,
+                                     const float* inv_freq, int pairs, int style, float factor) {
+    grid_entry();
+    int h = blockIdx.x, r = blockIdx.y, heads = cols / hd;
+    if (h >= heads) {
+        h -= heads, x = x2, cols = cols2, weight = weight2;
+    }
     float* g = x + (long long)r * cols + (long long)h * hd;
     double ss = 0.0;
     for (int i = threadIdx.x; i < hd; i += 256) ss += (double)g[i] * (double)g[i];
@@ -976,7 +1034,7 @@ extern "C" __global__ void norm_rope(float* x, int cols, int hd, const float* we
 // RoPE on every head of every row: row r at positions[r]; pairs < `pairs` rotate
 // by positions * inv_freq (style 0: i with i + head_dim/2; 1: 2i with 2i + 1).
 extern "C" __global__ void rope(float* x, int cols, int head_dim, const u32* positions, const float* inv_freq,
-                                int pairs, int style, float factor, long long n_pairs_total) {
+                                int pairs, int style, float factor, long long n_pairs_total) { grid_entry();
     int heads = cols / head_dim;
     EACH(n_pairs_total) {
         long long r = i / ((long long)heads * pairs);
@@ -993,8 +1051,8 @@ extern "C" __global__ void rope(float* x, int cols, int head_dim, const u32* pos
 // Writes rows skip..rows of `k` and of `v` ([rows, kv_dim] each) to the caches `kc`
 // and `vc`, whose next position is `len`: slot len + i, or (len + i) % ring for a
 // ring (ring > 0). One launch for both (the first half of the indices keys).
-extern "C" __global__ void kv_write(float* kc, float* vc, const float* k, const float* v, int rows, int kv_dim,
-                                    long long len, int ring, int skip) {
+__device__ __forceinline__ void kv_write_rows(float* kc, float* vc, const float* k, const float* v, int rows,
+                                              int kv_dim, long long len, int ring, int skip) {
     long long n = (long long)(rows - skip) * kv_dim;
     EACH(2 * n) {
         bool is_k = i < n;
@@ -1004,6 +1062,27 @@ extern "C" __global__ void kv_write(float* kc, float* vc, const float* k, const 
         long long slot = ring > 0 ? pos % ring : pos;
         (is_k ? kc : vc)[slot * kv_dim + at % kv_dim] = (is_k ? k : v)[r * kv_dim + at % kv_dim];
     }
+}
+extern "C" __global__ void kv_write(float* kc, float* vc, const float* k, const float* v, int rows, int kv_dim,
+                                    long long len, int ring, int skip) {
+    grid_entry();
+    kv_write_rows(kc, vc, k, v, rows, kv_dim, len, ring, skip);
+}
+
+// kv_write for up to KV_LAYERS layers of one sequence in one launch (a step's new
+// positions, every layer at once): layer blockIdx.y's caches, rows and shape from
+// `w`. As backend.rs's `KvWrites`.
+#define KV_LAYERS 32
+struct KvWrites {
+    unsigned long long kc[KV_LAYERS], vc[KV_LAYERS], k[KV_LAYERS], v[KV_LAYERS];
+    long long len[KV_LAYERS];
+    int kv_dim[KV_LAYERS], ring[KV_LAYERS], skip[KV_LAYERS];
+};
+extern "C" __global__ void kv_write_layers(KvWrites w, int rows) {
+    grid_entry();
+    int l = blockIdx.y;
+    kv_write_rows((float*)w.kc[l], (float*)w.vc[l], (const float*)w.k[l], (const float*)w.v[l], rows, w.kv_dim[l],
+                  w.len[l], w.ring[l], w.skip[l]);
 }
 
 // One row of a sequence: its position, the positions its cache holds before the
@@ -1048,6 +1127,27 @@ __device__ __forceinline__ int att_split_len(int len) {
     return max(64, (per + 63) / 64 * 64);
 }
 
+// The join of row `row`'s attention partials for head h, in split order, to out.
+// The partials are read from L2 (`__ldcg`): attention's last block of a row and
+// head joins partials that other blocks of the same launch wrote.
+__device__ __forceinline__ void merge_row(const float* part, const RowMeta& m, int row, int h, const float* sinks,
+                                          int n_heads, int hd, int window, int zdim, float* out) {
+    int len = att_len(m, window);
+    int sl = att_split_len(len), ns = (len + sl - 1) / sl;
+    const float* base = part + ((long long)row * n_heads + h) * zdim * (hd + 2);
+    float M = __int_as_float(0xff800000);
+    for (int s = 0; s < ns; s++) M = fmaxf(M, __ldcg(base + s * (hd + 2)));
+    if (sinks) M = fmaxf(M, sinks[h]);
+    float L = sinks ? expf(sinks[h] - M) : 0.0f;
+    for (int s = 0; s < ns; s++) L += __ldcg(base + s * (hd + 2) + 1) * expf(__ldcg(base + s * (hd + 2)) - M);
+    float inv = 1.0f / L;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < ns; s++) o += __ldcg(base + s * (hd + 2) + 2 + d) * expf(__ldcg(base + s * (hd + 2)) - M);
+        out[((long long)row * n_heads + h) * hd + d] = o * inv;
+    }
+}
+
 // Causal attention, split over positions: block (head, row, split) takes one run of
 // the row's positions and writes its partial (max score, sum of exponentials, and
 // the exponential-weighted sum of values) to `part`; attention_merge joins a row's
@@ -1063,7 +1163,8 @@ __device__ __forceinline__ void attention_dims(const float* q, const float* k_ne
                                                const unsigned long long* kc, const unsigned long long* vc,
                                                const int* ring, const RowMeta* meta, const unsigned* sel,
                                                int n_heads, int n_kv_heads, int hd, float scale, int window,
-                                               float cap, int zdim, float* part) {
+                                               float cap, int zdim, float* part, const float* sinks, float* out,
+                                               unsigned* counts) {
     extern __shared__ float smem[];
     float* qs = smem;
     int h = blockIdx.x, row = blockIdx.y, split = blockIdx.z;
@@ -1168,6 +1269,28 @@ __device__ __forceinline__ void attention_dims(const float* q, const float* k_ne
         pp[0] = M;
         pp[1] = L;
     }
+    if (!counts) return;  // attention_merge joins the partials
+    // The row's last block to finish joins its partials (in split order, so the same
+    // bits whichever block that is): each block counts itself once its partial is
+    // written and visible, and the one that makes the count the row's splits merges
+    // and sets the count back to 0 for the next launch.
+    int ns = (len + sl - 1) / sl;
+    if (ns > 1) {
+        __shared__ int last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned* c = counts + (long long)row * n_heads + h;
+            last = atomicAdd(c, 1u) == (unsigned)ns - 1;
+            if (last) *c = 0;
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+    } else {
+        __syncthreads();
+    }
+    merge_row(part, m, row, h, sinks, n_heads, hd, window, zdim, out);
 }
 
 // The entry points, by the widest head each takes (the backend picks the narrowest
@@ -1178,9 +1301,10 @@ __device__ __forceinline__ void attention_dims(const float* q, const float* k_ne
                                     const unsigned long long* kc, const unsigned long long* vc,            \
                                     const int* ring, const RowMeta* meta, const unsigned* sel, int n_heads, \
                                     int n_kv_heads, int hd, float scale, int window, float cap, int zdim,  \
-                                    float* part) {                                                         \
+                                    float* part, const float* sinks, float* out, unsigned* counts) {       \
+        grid_entry();                                                                                      \
         attention_dims<DIMS>(q, k_new, v_new, kc, vc, ring, meta, sel, n_heads, n_kv_heads, hd, scale,     \
-                             window, cap, zdim, part);                                                     \
+                             window, cap, zdim, part, sinks, out, counts);                                 \
     }
 ATTENTION_ENTRY(attention_128, 4)
 ATTENTION_ENTRY(attention_256, 8)
@@ -1191,22 +1315,8 @@ ATTENTION_ENTRY(attention_576, 18)
 // softmax's denominator without a value (gpt-oss).
 extern "C" __global__ void attention_merge(const float* part, const RowMeta* meta, const float* sinks, int n_heads,
                                            int hd, int window, int zdim, float* out) {
-    int h = blockIdx.x, row = blockIdx.y;
-    RowMeta m = meta[row];
-    int len = att_len(m, window);
-    int sl = att_split_len(len), ns = (len + sl - 1) / sl;
-    const float* base = part + ((long long)row * n_heads + h) * zdim * (hd + 2);
-    float M = __int_as_float(0xff800000);
-    for (int s = 0; s < ns; s++) M = fmaxf(M, base[s * (hd + 2)]);
-    if (sinks) M = fmaxf(M, sinks[h]);
-    float L = sinks ? expf(sinks[h] - M) : 0.0f;
-    for (int s = 0; s < ns; s++) L += base[s * (hd + 2) + 1] * expf(base[s * (hd + 2)] - M);
-    float inv = 1.0f / L;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = 0.0f;
-        for (int s = 0; s < ns; s++) o += base[s * (hd + 2) + 2 + d] * expf(base[s * (hd + 2)] - M);
-        out[((long long)row * n_heads + h) * hd + d] = o * inv;
-    }
+    grid_entry();
+    merge_row(part, meta[blockIdx.y], blockIdx.y, blockIdx.x, sinks, n_heads, hd, window, zdim, out);
 }
 
 // ---- Gated DeltaNet (Qwen3.5's linear attention), as sluice_cpu::delta ----
@@ -1216,7 +1326,7 @@ extern "C" __global__ void attention_merge(const float* part, const RowMeta* met
 // inputs, channel-minor. Grid (channel blocks, sequences), block 128.
 extern "C" __global__ void delta_conv(const float* mixed, const float* w, const unsigned long long* state_in,
                                       const unsigned long long* state_out, const int* first, const int* rows, int c,
-                                      int kern, float* conv) {
+                                      int kern, float* conv) { grid_entry();
     int ch = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
     if (ch >= c) return;
     const float* st = (const float*)state_in[s];
@@ -1241,7 +1351,7 @@ extern "C" __global__ void delta_conv(const float* mixed, const float* w, const 
 extern "C" __global__ void delta_rule(const float* conv, const float* b, const float* a, const float* a_neg,
                                       const float* dt_bias, const unsigned long long* state_in,
                                       const unsigned long long* state_out, const int* first, const int* rows, int hk,
-                                      int hv, int dk, int dv, int order, long long skip, float* out) {
+                                      int hv, int dk, int dv, int order, long long skip, float* out) { grid_entry();
     int j = blockIdx.x, s = blockIdx.y, e = threadIdx.x;
     if (e >= dv) return;
     int kh = order == 0 ? j / (hv / hk) : j % hk;
@@ -1290,9 +1400,9 @@ extern "C" __global__ void delta_rule(const float* conv, const float* b, const f
 // k if `renorm`), kind 1 top-k of the logits then softmax over the k. Ties go to the
 // lower expert index, as the CPU's top-k breaks them. `bias` (may be null) is added
 // to the logits first; `scale` (may be null) multiplies each chosen weight.
-extern "C" __global__ void route_top_k(const float* logits, int rows, int e, int k, int kind, int renorm,
-                                       const float* bias, const float* scale, u32* ids, float* weights) {
-    int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+__device__ void route_row(int row, const float* logits, int rows, int e, int k, int kind, int renorm,
+                          const float* bias, const float* scale, u32* ids, float* weights) {
+    int lane = threadIdx.x & 31;
     if (row >= rows) return;
     const float NEG = __int_as_float(0xff800000);
     float v[ROUTE_MAX_PER_LANE];
@@ -1353,14 +1463,19 @@ extern "C" __global__ void route_top_k(const float* logits, int rows, int e, int
         weights[(long long)row * k + lane] = w;
     }
 }
+extern "C" __global__ void route_top_k(const float* logits, int rows, int e, int k, int kind, int renorm,
+                                       const float* bias, const float* scale, u32* ids, float* weights) {
+    grid_entry();
+    route_row(blockIdx.x * 4 + (threadIdx.x >> 5), logits, rows, e, k, kind, renorm, bias, scale, ids, weights);
+}
 
 // The grouped products' plan from the routing: the (row, slot)s of `j` = rows * k
 // routed to each expert, expert after expert (slots in order within one), as
 // `slots` and their rows; `expert_of` each compact row's expert; work items of up to
 // MM_ROWS compact rows of one expert, the `n_work` items padded with empty ones. One
 // block; a thread per expert (looping if there are more experts than threads).
-extern "C" __global__ void plan_experts(const u32* ids, int j, int k, int e, u32* slots, u32* rows, u32* expert_of,
-                                        Work* work, int n_work) {
+__device__ void plan_block(const u32* ids, int j, int k, int e, u32* slots, u32* rows, u32* expert_of, Work* work,
+                           int n_work) {
     extern __shared__ int count[];  // e counts, then e starts, then e first work items
     int* start = count + e;
     int* first = start + e;
@@ -1412,6 +1527,22 @@ extern "C" __global__ void plan_experts(const u32* ids, int j, int k, int e, u32
     __syncthreads();
     int used = first[e - 1] + (count[e - 1] + MM_ROWS - 1) / MM_ROWS;
     for (int i = used + threadIdx.x; i < n_work; i += blockDim.x) work[i] = Work{0, 0, 0, 0};
+}
+extern "C" __global__ void plan_experts(const u32* ids, int j, int k, int e, u32* slots, u32* rows, u32* expert_of,
+                                        Work* work, int n_work) {
+    grid_entry();
+    plan_block(ids, j, k, e, slots, rows, expert_of, work, n_work);
+}
+
+// route_top_k and then plan_experts in one block of 128 (a warp per row), for at most
+// four rows (decode): the plan of the ids this block has just written.
+extern "C" __global__ void route_plan(const float* logits, int rows, int e, int k, int kind, int renorm,
+                                      const float* bias, const float* scale, u32* ids, float* weights, u32* slots,
+                                      u32* rows_of, u32* expert_of, Work* work, int n_work) {
+    grid_entry();
+    route_row(threadIdx.x >> 5, logits, rows, e, k, kind, renorm, bias, scale, ids, weights);
+    __syncthreads();  // the ids in global memory, visible to the whole block after it
+    plan_block(ids, rows * k, k, e, slots, rows_of, expert_of, work, n_work);
 }
 
 #endif  // SLUICE_FORMAT

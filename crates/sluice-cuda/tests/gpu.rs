@@ -641,6 +641,18 @@ fn fused_norms_give_their_parts_bits() {
         let changed = host(&fused).iter().zip(&x).filter(|(a, b)| a != b).count();
         assert!(changed > cols * rows / 2, "norm_rope changed {changed} of {} elements, {what}", rows * cols);
 
+        // Queries and keys (a quarter of the heads, their own weight) in one launch:
+        // each the bits of its own norm_rope.
+        let (kheads, kw) = ((heads / 4).max(1), be.vector_from_host(&weight[cols - hd..]).unwrap());
+        let keys = random_input(rows, kheads * hd, &mut rng);
+        let (mut q, mut k) = (act(&x), be.act_from_host(rows, kheads * hd, &keys).unwrap());
+        be.norm_rope_qk(&mut q, &norm(hd, Some(&w)), &mut k, &norm(hd, Some(&kw)), &batch, &rope).unwrap();
+        let mut k_alone = be.act_from_host(rows, kheads * hd, &keys).unwrap();
+        be.norm_rope(&mut k_alone, &norm(hd, Some(&kw)), &batch, &rope).unwrap();
+        assert_eq!(host(&q), host(&fused), "norm_rope_qk's queries, {what}");
+        assert_eq!(host(&k), host(&k_alone), "norm_rope_qk's keys, {what}");
+        assert_ne!(host(&k), keys, "norm_rope_qk left the keys, {what}");
+
         let mut parts = act(&x);
         be.rms_norm(&mut parts, &norm(cols, Some(&row_w))).unwrap();
         let src = act(&x);

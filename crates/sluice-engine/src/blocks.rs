@@ -196,9 +196,9 @@ impl<B: Backend> Attention<B> {
         if let Some(b) = &self.biases {
             be.add_row(&mut q, &b[0])?;
         }
-        rope_heads(cx, &mut q, self.q_norm.as_ref(), s.n_heads, hd, &s.rope)?;
-
-        if self.k.is_some() {
+        if self.k.is_none() {
+            rope_heads(cx, &mut q, self.q_norm.as_ref(), s.n_heads, hd, &s.rope)?;
+        } else {
             let mut k = proj.next().expect("k");
             if let Some(b) = &self.biases {
                 be.add_row(&mut k, &b[1])?;
@@ -216,7 +216,17 @@ impl<B: Backend> Attention<B> {
             if s.v_norm {
                 cx.norm_plain(&mut v, hd)?;
             }
-            rope_heads(cx, &mut k, self.k_norm.as_ref(), s.n_kv_heads, hd, &s.rope)?;
+            match (&self.q_norm, &self.k_norm) {
+                // Both normed and rotated whole: one operation (one launch on a GPU).
+                (Some(qn), Some(kn)) if 2 * s.rope.inv_freq.len() >= hd => {
+                    let (qn, kn) = (cx.weighted(qn, hd), cx.weighted(kn, hd));
+                    be.norm_rope_qk(&mut q, &qn, &mut k, &kn, cx.batch, &s.rope)?;
+                }
+                _ => {
+                    rope_heads(cx, &mut q, self.q_norm.as_ref(), s.n_heads, hd, &s.rope)?;
+                    rope_heads(cx, &mut k, self.k_norm.as_ref(), s.n_kv_heads, hd, &s.rope)?;
+                }
+            }
             cx.pending[self.layer] = Some(Pending::Kv(k, v));
         }
         let (Some(Pending::Kv(k, v)) | Some(Pending::IndexedKv(k, v, _))) = cx.pending[src].as_ref() else {

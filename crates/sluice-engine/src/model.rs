@@ -14,7 +14,7 @@ use sluice_core::{DType, Error, ExactRows, Family, KvFormat, ModelSpec, Precisio
 use sluice_experts::{ExpertStore, StoreConfig};
 use sluice_formats::Checkpoint;
 
-use crate::backend::{Backend, Cpu};
+use crate::backend::{Backend, Cpu, KvAppend};
 use crate::batch::Batch;
 use crate::blocks::{Cx, Pending, check_tokens};
 use crate::families::{
@@ -412,17 +412,19 @@ impl<B: Backend> Model<B> {
         // Nothing failed: the sequences take their new keys and values.
         for (i, (p, s)) in parts.iter().zip(&batch.seqs).enumerate() {
             let state = &mut *chunks[p.chunk].state;
+            // Every layer's keys and values at once (one or two launches on a GPU).
+            let appends = state
+                .kvs_mut()
+                .filter_map(|(layer, kv)| match &pending[layer] {
+                    Some(Pending::Kv(k, v) | Pending::IndexedKv(k, v, _)) => Some(KvAppend { kv, k, v }),
+                    _ => None,
+                })
+                .collect();
+            be.kv_append_layers(appends, *s).map_err(fail)?;
             for (layer, p) in pending.iter_mut().enumerate() {
                 match p {
-                    Some(Pending::Kv(k, v)) => {
-                        if let Some(cache) = state.kv_mut(layer) {
-                            be.kv_append(cache, k, v, *s).map_err(fail)?;
-                        }
-                    }
-                    Some(Pending::IndexedKv(k, v, keys)) => {
-                        if let Some(cache) = state.kv_mut(layer) {
-                            be.kv_append(cache, k, v, *s).map_err(fail)?;
-                        }
+                    Some(Pending::Kv(..)) | None => {}
+                    Some(Pending::IndexedKv(k, _, keys)) => {
                         if let Some(held) = state.index_keys_mut(layer) {
                             let width = keys.len() / be.n_rows(k).max(1);
                             held.extend_from_slice(&keys[s.first * width..(s.first + s.rows) * width]);
@@ -432,7 +434,6 @@ impl<B: Backend> Model<B> {
                         let next = next[i].take().expect("one recurrent state per sequence");
                         state.set_recurrent(layer, next).map_err(fail)?;
                     }
-                    None => {}
                 }
             }
             state.advance(p.len);

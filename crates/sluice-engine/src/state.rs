@@ -309,11 +309,12 @@ impl<B: Backend> SeqState<B> {
         }
     }
 
-    pub(crate) fn kv_mut(&mut self, layer: usize) -> Option<&mut B::Kv> {
-        match &mut self.layers[layer] {
-            LayerState::Kv(c) | LayerState::Latent(c) | LayerState::IndexedKv(c, _) => Some(c),
+    /// Each layer that holds a KV cache, with it.
+    pub(crate) fn kvs_mut(&mut self) -> impl Iterator<Item = (usize, &mut B::Kv)> {
+        self.layers.iter_mut().enumerate().filter_map(|(layer, s)| match s {
+            LayerState::Kv(c) | LayerState::Latent(c) | LayerState::IndexedKv(c, _) => Some((layer, c)),
             _ => None,
-        }
+        })
     }
 
     pub(crate) fn advance(&mut self, n: usize) {

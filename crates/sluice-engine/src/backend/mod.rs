@@ -20,6 +20,14 @@ use sluice_formats::TensorView;
 
 use crate::batch::{Batch, RowPrecision, SeqRows};
 
+/// One layer's new keys and values (every row of the step) and the cache of one
+/// sequence that takes its rows of them.
+pub struct KvAppend<'a, B: Backend> {
+    pub kv: &'a mut B::Kv,
+    pub k: &'a B::Act,
+    pub v: &'a B::Act,
+}
+
 /// An RMS norm over each `group` elements of each row, times `weight + offset` if
 /// given.
 pub struct Norm<'a, B: Backend> {
@@ -227,6 +235,20 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.rms_norm(x, norm)?;
         self.rope(x, norm.group, batch, rope)
     }
+    /// [`Backend::norm_rope`] on a step's queries and keys (heads of one width), in
+    /// one operation where the backend has one.
+    fn norm_rope_qk(
+        &self,
+        q: &mut Self::Act,
+        q_norm: &Norm<'_, Self>,
+        k: &mut Self::Act,
+        k_norm: &Norm<'_, Self>,
+        batch: &Batch,
+        rope: &RopeSpec,
+    ) -> Result<()> {
+        self.norm_rope(q, q_norm, batch, rope)?;
+        self.norm_rope(k, k_norm, batch, rope)
+    }
     fn zeros(&self, rows: usize, cols: usize) -> Result<Self::Act>;
     /// `[rows, cols]` from the host's `data` (row-major).
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Act>;
@@ -242,6 +264,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn kv_prefix(&self, kv: &Self::Kv, keep: usize) -> Result<Option<Self::Kv>>;
     /// Appends one sequence's rows `seq` of `k` and `v` to its cache.
     fn kv_append(&self, kv: &mut Self::Kv, k: &Self::Act, v: &Self::Act, seq: SeqRows) -> Result<()>;
+    /// [`Backend::kv_append`] for each of one sequence's layers, in one operation
+    /// where the backend has one.
+    fn kv_append_layers(&self, appends: Vec<KvAppend<'_, Self>>, seq: SeqRows) -> Result<()> {
+        appends.into_iter().try_for_each(|a| self.kv_append(a.kv, a.k, a.v, seq))
+    }
     fn attention(&self, op: &AttnOp<'_, Self>) -> Result<Self::Act>;
     /// A Gated DeltaNet step: `[rows, v_heads * v_dim]` and each sequence's new state
     /// (the old ones are left as they were, for a step that fails later).
