@@ -708,10 +708,6 @@ impl Cuda {
         Ok(())
     }
 
-    /// The routed experts on the rows of `x` that chose them, each (row, slot)'s
-    /// output written to its row of `per_slot`: the device plans the work from the
-    /// routing (no ids on the host), then three grouped products, one launch each
-    /// for every expert of the layer. `shape` is any of the experts (they share one).
     /// Grows `kv` for one sequence's rows `seq` of `k` and `v` where it lacks room,
     /// and says what kernels.cu's `kv_write` takes to append them (`None`: no rows).
     fn kv_room(&self, kv: &mut DevKv, k: &DevAct, v: &DevAct, seq: SeqRows) -> Result<Option<KvWrite>> {
@@ -768,6 +764,11 @@ impl Cuda {
         })
     }
 
+    /// The routed experts on the rows of `x` that chose them, each (row, slot)'s
+    /// output written to its row of `per_slot`: the device plans the work from the
+    /// routing (no ids on the host; the routing's own launch did for a few rows), then
+    /// grouped products for every expert of the layer, a launch each: gate and up (with
+    /// their GLU, for decode rows), down. `shape` is any of the experts (they share one).
     fn grouped_experts(
         &self,
         x: &DevAct,
@@ -993,7 +994,7 @@ const KV_LAYERS: usize = 32;
 
 /// Up to [`KV_LAYERS`] layers' [`KvWrite`]s, as `KvWrites` in kernels.cu.
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct KvWrites {
     kc: [u64; KV_LAYERS],
     vc: [u64; KV_LAYERS],
@@ -1003,21 +1004,6 @@ struct KvWrites {
     kv_dim: [i32; KV_LAYERS],
     ring: [i32; KV_LAYERS],
     skip: [i32; KV_LAYERS],
-}
-
-impl Default for KvWrites {
-    fn default() -> KvWrites {
-        KvWrites {
-            kc: [0; KV_LAYERS],
-            vc: [0; KV_LAYERS],
-            k: [0; KV_LAYERS],
-            v: [0; KV_LAYERS],
-            len: [0; KV_LAYERS],
-            kv_dim: [0; KV_LAYERS],
-            ring: [0; KV_LAYERS],
-            skip: [0; KV_LAYERS],
-        }
-    }
 }
 
 // SAFETY: addresses and integers, laid out as the kernel's struct.
