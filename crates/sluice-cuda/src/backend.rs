@@ -15,7 +15,7 @@ use sluice_engine::batch::{Batch, RowPrecision, SeqRows};
 use sluice_experts::{ExpertLease, ExpertStore, FetchMode, PageLock, Policy, Residency};
 use sluice_formats::TensorView;
 
-use crate::device::{Device, HostLocker, Scratch, elementwise, fail, format_suffix, grid, launch, variant};
+use crate::device::{Device, HostLocker, Scratch, elementwise, fail, format_suffix, grid, launch};
 use crate::tier::{TierKey, TierPolicy};
 
 /// A row-major `[rows, cols]` f32 matrix in device memory.
@@ -305,8 +305,6 @@ pub struct Cuda {
     /// The precision of each row of the step ([`Backend::with_precision`]).
     precision: RowPrecision,
     products: Products,
-    /// See [`Cuda::merge_counts`].
-    merge_counts: Arc<Mutex<Option<CudaSlice<u32>>>>,
 }
 
 impl Cuda {
@@ -321,23 +319,7 @@ impl Cuda {
             constants: Arc::default(),
             precision: RowPrecision::default(),
             products: Products::from_env(),
-            merge_counts: Arc::default(),
         })
-    }
-
-    /// The address of at least `n` counters, all 0, for attention's joins of a row's
-    /// partials by its last block (kernels.cu's `attention_dims`, which leaves them 0
-    /// again); `None` where `SLUICE_CUDA_VARIANT=50` asks for the separate
-    /// `attention_merge` launch (for measuring).
-    fn merge_counts(&self, n: usize) -> Result<Option<u64>> {
-        if variant() == Some(50) {
-            return Ok(None);
-        }
-        let mut c = self.merge_counts.lock().unwrap_or_else(|e| e.into_inner());
-        if c.as_ref().is_none_or(|c| c.len() < n) {
-            *c = Some(self.dev.zeros::<u32>(n.next_power_of_two())?);
-        }
-        Ok(c.as_ref().map(|c| self.p(c)))
     }
 
     /// The same GPU, taking at most `bytes` of its memory: resident weights must fit
@@ -1490,18 +1472,13 @@ impl Backend for Cuda {
             shared_mem_bytes: ((hd + ATT_WARPS * (hd + 2)) * 4) as u32,
         };
         let window = s.window.unwrap_or(0) as i32;
-        let sinks = op.sinks.map_or(0, |v| self.p(&v.dev));
-        // The last block of a row and head joins its partials, unless measuring the
-        // separate join.
-        let counts = self.merge_counts(rows * s.n_heads)?;
         launch!(&self.dev, kernel, cfg;
             self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), kc, vc, ring,
             meta, chosen, s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
-            splits as i32, self.p(&part), sinks, self.p(&out.buf), counts.unwrap_or(0))?;
-        if counts.is_none() {
-            launch!(&self.dev, "attention_merge", grid((s.n_heads as u32, rows as u32), 128, 0);
-                self.p(&part), meta, sinks, s.n_heads as i32, hd as i32, window, splits as i32, self.p(&out.buf))?;
-        }
+            splits as i32, self.p(&part))?;
+        launch!(&self.dev, "attention_merge", grid((s.n_heads as u32, rows as u32), 128, 0);
+            self.p(&part), meta, op.sinks.map_or(0, |v| self.p(&v.dev)), s.n_heads as i32, hd as i32, window,
+            splits as i32, self.p(&out.buf))?;
         Ok(out)
     }
 

@@ -182,7 +182,8 @@ pub(crate) struct Device {
     /// beside the kernels of `stream`; ordered against it by events.
     pub copies: Arc<CudaStream>,
     capability: (i32, i32),
-    kernels: Mutex<HashMap<String, CudaFunction>>,
+    /// Each kernel, and how it follows the one before it.
+    kernels: Mutex<HashMap<String, (CudaFunction, Launches)>>,
     loaded: Mutex<Vec<Unit>>,
     pub name: String,
     /// Buffers of intermediates given back by [`Scratch`], for the next of the same size.
@@ -261,7 +262,8 @@ impl Device {
         let mut kernels = lock(&self.kernels);
         for name in kernel_names(unit) {
             let f = module.load_function(&name).map_err(|e| fail(&format!("kernel {name}"), e))?;
-            kernels.insert(name, f);
+            let launches = if waits_at_entry(&name) { self.launches } else { Launches::Serial };
+            kernels.insert(name, (f, launches));
         }
         loaded.push(unit);
         Ok(())
@@ -272,8 +274,8 @@ impl Device {
         self.ctx.mem_get_info().map_err(|e| fail("reading the memory size", e))
     }
 
-    /// Kernel `name`, its unit loaded first if it is not yet.
-    pub fn kernel(&self, name: &str) -> Result<CudaFunction> {
+    /// Kernel `name` and how it is launched, its unit loaded first if it is not yet.
+    pub fn kernel(&self, name: &str) -> Result<(CudaFunction, Launches)> {
         if let Some(f) = lock(&self.kernels).get(name) {
             return Ok(f.clone());
         }
@@ -289,7 +291,7 @@ impl Device {
     /// address outlive the launch (freeing is ordered by the stream).
     pub unsafe fn launch(
         &self,
-        f: &CudaFunction,
+        (f, launches): &(CudaFunction, Launches),
         cfg: LaunchConfig,
         args: &mut [*mut std::ffi::c_void],
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
@@ -309,7 +311,7 @@ impl Device {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(self.launches == Launches::Overlapped),
+            numAttrs: u32::from(*launches == Launches::Overlapped),
         };
         // SAFETY: the configuration lives through the call; the caller vouches for
         // the arguments.
@@ -691,6 +693,13 @@ pub(crate) fn variant() -> Option<u32> {
     *VARIANT.get_or_init(|| std::env::var("SLUICE_CUDA_VARIANT").ok().and_then(|v| v.parse().ok()))
 }
 
+/// Whether kernel `name` begins with kernels.cu's `grid_entry` (and so may be
+/// started while the one before it runs): all but the products of prompt and batch
+/// rows (`mm_`, `mmg_`, `mmq_`, `mmgq_`), where the wait cost more than it gave.
+fn waits_at_entry(name: &str) -> bool {
+    !["mm_", "mmg_", "mmq_", "mmgq_"].iter().any(|p| name.starts_with(p))
+}
+
 /// Kernel names by weight format.
 pub(crate) fn format_suffix(d: DType) -> &'static str {
     use DType::*;
@@ -757,4 +766,40 @@ pub(crate) fn kernel_names(unit: Unit) -> Vec<String> {
         ],
     };
     d.map(String::from).to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each kernel's name in kernels.cu (a format kernel's by its prefix, `mmg_`) and
+    /// whether its body begins with `grid_entry();`.
+    fn kernels_in_source() -> Vec<(String, bool)> {
+        let mut found = Vec::new();
+        let mut rest = SOURCE;
+        while let Some(at) = rest.find("extern \"C\" __global__ void ") {
+            rest = &rest[at + "extern \"C\" __global__ void ".len()..];
+            let name: String = match rest.strip_prefix("CAT(") {
+                Some(r) => r.split(',').next().unwrap_or_default().to_string(),
+                None => rest.split('(').next().unwrap_or_default().to_string(),
+            };
+            let body = &rest[rest.find('{').expect("a kernel has a body") + 1..];
+            let first = body.trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+            found.push((name, first.starts_with("grid_entry();")));
+        }
+        found
+    }
+
+    #[test]
+    fn kernels_wait_at_entry_exactly_where_they_are_launched_early() {
+        let found = kernels_in_source();
+        assert!(found.len() > 30, "read {} kernels from kernels.cu", found.len());
+        for (name, waits) in &found {
+            // A kernel launched early that does not wait would read its inputs before
+            // the kernel that writes them has ended.
+            assert_eq!(waits_at_entry(name), *waits, "kernel {name}: waits at its entry: {waits}");
+        }
+        let batch: Vec<&str> = found.iter().filter(|(_, w)| !w).map(|(n, _)| n.as_str()).collect();
+        assert_eq!(batch, ["mmg_", "mm_", "mmgq_", "mmq_"], "the kernels launched after the one before ends");
+    }
 }
