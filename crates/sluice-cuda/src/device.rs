@@ -201,7 +201,7 @@ pub(crate) enum Launches {
     Serial,
     /// Started while that one is still running, each kernel waiting at its entry
     /// for the one before to end (kernels.cu's `grid_entry`; Hopper's programmatic
-    /// dependent launch): a decode step's some 770 kernels, most of them a few
+    /// dependent launch): a decode step's some 530 kernels, most of them a few
     /// microseconds long, no longer each wait a launch's latency. Compute capability
     /// 9.0 and later; `SLUICE_CUDA_PDL=0` turns it off, for measuring.
     Overlapped,
