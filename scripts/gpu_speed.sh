@@ -55,7 +55,7 @@ if [ -n "${SPEED_PROFILE:-}" ]; then
     ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     echo "== profile ($ncu), one decode step after ${SPEED_PROFILE_PROMPT:-512} tokens"
     "$ncu" --clock-control none --launch-skip "${SPEED_PROFILE_SKIP:-3000}" --launch-count "${SPEED_PROFILE_COUNT:-3000}" \
-        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
         --csv --page raw --print-units base "${bench[@]}" --repeat 1 --prompt-tokens "${SPEED_PROFILE_PROMPT:-512}" \
         --gen-tokens 8 >/tmp/profile.csv 2>/tmp/profile.err ||
         tail -5 /tmp/profile.err
