@@ -691,7 +691,7 @@ impl Cuda {
     }
 
     /// Grows `kv` for one sequence's rows `seq` of `k` and `v` where it lacks room,
-    /// and says what kernels.cu's `kv_write` takes to append them (`None`: no rows).
+    /// and says what kernels.cu's `kv_write_layers` takes to append them (`None`: no rows).
     fn kv_room(&self, kv: &mut DevKv, k: &DevAct, v: &DevAct, seq: SeqRows) -> Result<Option<KvWrite>> {
         let (d, n) = (kv.kv_dim, seq.rows);
         if n == 0 {
@@ -956,7 +956,7 @@ struct MatDesc {
     ptr: u64,
 }
 
-/// One layer's append to a sequence's KV cache, as kernels.cu's `kv_write` takes it:
+/// One layer's append to a sequence's KV cache, as kernels.cu's `kv_write_layers` takes it:
 /// the caches, the rows' keys and values, the cache's length, width, ring (0: none)
 /// and the rows a ring drops; and the elements of keys (or values) written.
 struct KvWrite {
@@ -1377,11 +1377,7 @@ impl Backend for Cuda {
     }
 
     fn kv_append(&self, kv: &mut DevKv, k: &DevAct, v: &DevAct, seq: SeqRows) -> Result<()> {
-        let Some(w) = self.kv_room(kv, k, v, seq)? else { return Ok(()) };
-        launch!(&self.dev, "kv_write", elementwise(2 * w.elements);
-            w.kc, w.vc, w.k, w.v, seq.rows as i32, w.kv_dim, w.len, w.ring, w.skip)?;
-        kv.len += seq.rows;
-        Ok(())
+        self.kv_append_layers(vec![KvAppend { kv, k, v }], seq)
     }
 
     fn kv_append_layers(&self, mut appends: Vec<KvAppend<'_, Self>>, seq: SeqRows) -> Result<()> {

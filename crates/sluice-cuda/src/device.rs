@@ -751,7 +751,6 @@ pub(crate) fn kernel_names(unit: Unit) -> Vec<String> {
             "rms_norm",
             "norm_rope",
             "rope",
-            "kv_write",
             "kv_write_layers",
             "attention_128",
             "attention_256",

@@ -1082,15 +1082,10 @@ __device__ __forceinline__ void kv_write_rows(float* kc, float* vc, const float*
         (is_k ? kc : vc)[slot * kv_dim + at % kv_dim] = (is_k ? k : v)[r * kv_dim + at % kv_dim];
     }
 }
-extern "C" __global__ void kv_write(float* kc, float* vc, const float* k, const float* v, int rows, int kv_dim,
-                                    long long len, int ring, int skip) {
-    grid_entry();
-    kv_write_rows(kc, vc, k, v, rows, kv_dim, len, ring, skip);
-}
 
-// kv_write for up to KV_LAYERS layers of one sequence in one launch (a step's new
-// positions, every layer at once): layer blockIdx.y's caches, rows and shape from
-// `w`. As backend.rs's `KvWrites`.
+// kv_write_rows for up to KV_LAYERS layers of one sequence in one launch (a step's new
+// positions, every layer at once; or one layer's): layer blockIdx.y's caches, rows and
+// shape from `w`. As backend.rs's `KvWrites`.
 #define KV_LAYERS 32
 struct KvWrites {
     unsigned long long kc[KV_LAYERS], vc[KV_LAYERS], k[KV_LAYERS], v[KV_LAYERS];
