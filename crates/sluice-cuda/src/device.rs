@@ -68,7 +68,8 @@ impl Unit {
             .map_or(Unit::Common, |&d| Unit::Format(d))
     }
 
-    fn label(self) -> &'static str {
+    /// The unit's name: `common`, or its format's suffix (`q4_k`).
+    pub fn label(self) -> &'static str {
         match self {
             Unit::Common => "common",
             Unit::Format(d) => format_suffix(d),

@@ -765,6 +765,13 @@ __device__ void embed(const u8* w, long long row_bytes, int cols, const u32* tok
 }
 
 #ifdef SLUICE_FORMAT
+// The decode rows' products (mmo_, mmgo_, mmglu_) are a wave or two of small blocks
+// each waiting on its loads, so their speed is how many blocks an SM holds: bounded to
+// 48 registers a thread (ten blocks of 128 an SM, q/k/v's 1280 blocks in one wave of an
+// H100's 132 SMs) where the compiler took 64 (eight; decode 190.8 -> 202.0 tok/s on
+// the Qwen3-30B-A3B geometry). Twelve blocks (40 registers) lost 3%; unrolling the
+// loop by two, loads of two runs together at 84 registers, lost 7%.
+#define DECODE_BOUNDS __launch_bounds__(128, 10)
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
 // The products for rows of prompts and batches (mm_, mmg_, and mmq_, mmgq_ below)
@@ -775,34 +782,34 @@ __device__ void embed(const u8* w, long long row_bytes, int cols, const u32* tok
 // and the small kernels wait, and start early.
 #define FORMAT_KERNELS(F, name)                                                                                  \
     extern "C" __global__ void CAT(mmg_, name)(const unsigned long long* ws, long long row_bytes, int out,       \
-                                               int cols, const float* x, const u32* xrow, const Work* work,     \
-                                               float* y, const u32* yrow) {                                     \
-        mm_grouped<F>(ws, row_bytes, out, cols, x, xrow, work, y, yrow);                                           \
-    }                                                                                                              \
-    extern "C" __global__ void CAT(mmgo_, name)(Many m, int cols, const float* x, const u32* xrow,                 \
-                                                const Work* work, int ro, const u32* yrow) {                       \
-        grid_entry();                                                                                              \
-        mm_grouped_outputs<F>(m, cols, x, xrow, work, ro, yrow);                                                   \
-    }                                                                                                              \
-    extern "C" __global__ void CAT(mmglu_, name)(const unsigned long long* wg, const unsigned long long* wu,        \
-                                                 long long row_bytes, int out, int cols, const float* x,           \
-                                                 const u32* xrow, const Work* work, float* y, int kind,            \
-                                                 float alpha, float limit) {                                       \
-        grid_entry();                                                                                              \
-        mm_grouped_glu<F>(wg, wu, row_bytes, out, cols, x, xrow, work, y, kind, alpha, limit);                    \
-    }                                                                                                              \
-    extern "C" __global__ void CAT(mm_, name)(const u8* w, long long row_bytes, int out, int cols,                 \
-                                              const float* x, int n, float* y) {                                   \
-        mm<F>(w, row_bytes, out, cols, x, n, y);                                                                   \
-    }                                                                                                              \
-    extern "C" __global__ void CAT(mmo_, name)(Many m, int cols, const float* x, int n, int ro) {                 \
-        grid_entry();                                                                                              \
-        mm_outputs<F>(m, cols, x, n, ro);                                                                          \
-    }                                                                                                              \
-    extern "C" __global__ void CAT(embed_, name)(const u8* w, long long row_bytes, int cols, const u32* tok,       \
-                                                 float scale, float* out) {                                        \
-        grid_entry();                                                                                              \
-        embed<F>(w, row_bytes, cols, tok, scale, out);                                                             \
+                                               int cols, const float* x, const u32* xrow, const Work* work,      \
+                                               float* y, const u32* yrow) {                                      \
+        mm_grouped<F>(ws, row_bytes, out, cols, x, xrow, work, y, yrow);                                         \
+    }                                                                                                            \
+    extern "C" __global__ void DECODE_BOUNDS CAT(mmgo_, name)(Many m, int cols, const float* x, const u32* xrow, \
+                                                const Work* work, int ro, const u32* yrow) {                     \
+        grid_entry();                                                                                            \
+        mm_grouped_outputs<F>(m, cols, x, xrow, work, ro, yrow);                                                 \
+    }                                                                                                            \
+    extern "C" __global__ void DECODE_BOUNDS CAT(mmglu_, name)(const unsigned long long* wg,                     \
+                                                 const unsigned long long* wu, long long row_bytes, int out,     \
+                                                 int cols, const float* x, const u32* xrow, const Work* work,    \
+                                                 float* y, int kind, float alpha, float limit) {                 \
+        grid_entry();                                                                                            \
+        mm_grouped_glu<F>(wg, wu, row_bytes, out, cols, x, xrow, work, y, kind, alpha, limit);                   \
+    }                                                                                                            \
+    extern "C" __global__ void CAT(mm_, name)(const u8* w, long long row_bytes, int out, int cols,               \
+                                              const float* x, int n, float* y) {                                 \
+        mm<F>(w, row_bytes, out, cols, x, n, y);                                                                 \
+    }                                                                                                            \
+    extern "C" __global__ void DECODE_BOUNDS CAT(mmo_, name)(Many m, int cols, const float* x, int n, int ro) {  \
+        grid_entry();                                                                                            \
+        mm_outputs<F>(m, cols, x, n, ro);                                                                        \
+    }                                                                                                            \
+    extern "C" __global__ void CAT(embed_, name)(const u8* w, long long row_bytes, int cols, const u32* tok,     \
+                                                 float scale, float* out) {                                      \
+        grid_entry();                                                                                            \
+        embed<F>(w, row_bytes, cols, tok, scale, out);                                                           \
     }
 
 FORMAT_KERNELS(SLUICE_FORMAT, SLUICE_FORMAT_NAME)
@@ -960,7 +967,9 @@ __device__ __forceinline__ float group_inv_rms(double ss, int group, float eps) 
 // Each thread takes elements threadIdx.x + 256 i, their loads issued NORM_BATCH at a
 // time before any is used (a loop that loads, adds and stores one element at a time
 // waits on each load in turn: 7 us a 2048-element row on an H100). The sums' order
-// is the elements' order either way.
+// is the elements' order either way. A group of at most 256 * NORM_BATCH (a hidden
+// row of up to 2048) is `held`: its elements and weights are loaded once, together,
+// and stay in registers across the sum, rather than loaded again after it.
 #define NORM_BATCH 8
 extern "C" __global__ void rms_norm(float* x, const float* add, float* y, int group, const float* weight,
                                     float offset, float eps) {
@@ -968,12 +977,14 @@ extern "C" __global__ void rms_norm(float* x, const float* add, float* y, int gr
     long long at = (long long)blockIdx.x * group;
     float* g = x + at;
     double ss = 0.0;
+    bool held = group <= 256 * NORM_BATCH;
+    float v[NORM_BATCH], w[NORM_BATCH];
     for (int i0 = threadIdx.x; i0 < group; i0 += 256 * NORM_BATCH) {
-        float v[NORM_BATCH];
 #pragma unroll
         for (int k = 0; k < NORM_BATCH; k++) {
             int i = i0 + 256 * k;
             v[k] = i < group ? (add ? g[i] + add[at + i] : g[i]) : 0.0f;
+            if (held) w[k] = i < group && weight ? weight[i] : 0.0f;
         }
 #pragma unroll
         for (int k = 0; k < NORM_BATCH; k++) {
@@ -986,9 +997,8 @@ extern "C" __global__ void rms_norm(float* x, const float* add, float* y, int gr
     }
     float inv = group_inv_rms(ss, group, eps);
     for (int i0 = threadIdx.x; i0 < group; i0 += 256 * NORM_BATCH) {
-        float v[NORM_BATCH], w[NORM_BATCH];
 #pragma unroll
-        for (int k = 0; k < NORM_BATCH; k++) {
+        for (int k = 0; k < NORM_BATCH && !held; k++) {
             int i = i0 + 256 * k;
             v[k] = i < group ? g[i] : 0.0f;
             w[k] = i < group && weight ? weight[i] : 0.0f;
@@ -1038,12 +1048,24 @@ extern "C" __global__ void norm_rope(float* x, int cols, const float* weight, fl
     float* g = x + (long long)r * cols + (long long)h * hd;
     double ss = 0.0;
     for (int i = threadIdx.x; i < hd; i += 256) ss += (double)g[i] * (double)g[i];
+    // A thread's first pair (its only one in a head of up to 512): its elements,
+    // weights, position and frequency loaded with the sum's elements, not after it.
+    int2 e = rope_ends(style, threadIdx.x, hd);
+    bool first = (int)threadIdx.x < hd / 2, turns = (int)threadIdx.x < pairs;
+    float a1 = first ? g[e.x] : 0.0f, a2 = first ? g[e.y] : 0.0f;
+    float w1 = first ? weight[e.x] : 0.0f, w2 = first ? weight[e.y] : 0.0f;
+    float f = first && turns ? inv_freq[threadIdx.x] : 0.0f;
+    u32 pos = positions[r];
     float inv = group_inv_rms(ss, hd, eps);
     for (int p = threadIdx.x; p < hd / 2; p += 256) {
-        int2 e = rope_ends(style, p, hd);
-        float v1 = g[e.x] * inv, v2 = g[e.y] * inv;
-        float x1 = v1 * (weight[e.x] + offset), x2 = v2 * (weight[e.y] + offset);
-        if (p < pairs) rope_pair(&x1, &x2, positions[r], inv_freq[p], factor);
+        if (p != (int)threadIdx.x) {
+            e = rope_ends(style, p, hd);
+            a1 = g[e.x], a2 = g[e.y], w1 = weight[e.x], w2 = weight[e.y];
+            turns = p < pairs;
+            f = turns ? inv_freq[p] : 0.0f;
+        }
+        float x1 = a1 * inv * (w1 + offset), x2 = a2 * inv * (w2 + offset);
+        if (turns) rope_pair(&x1, &x2, pos, f, factor);
         g[e.x] = x1;
         g[e.y] = x2;
     }
