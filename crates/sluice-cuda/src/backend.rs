@@ -637,7 +637,7 @@ impl Cuda {
             // This matrix and those after it of its format, in one launch.
             let (many, n) = Many::of(ro, ws[i..].iter().zip(&ys[i..]).map(|(m, y)| (m.ptr, self.p(&y.buf), *m)));
             i += n;
-            launch!(&self.dev, &format!("mmo_{suffix}"), grid((many.blocks(), row_passes), 128, 0);
+            launch!(&self.dev, &format!("mmo_{suffix}"), grid((many.blocks(), row_passes), decode_threads(w.dtype, w.cols), 0);
                 many, cols, input, rows, ro as i32)?;
         }
         Ok(ys)
@@ -810,7 +810,7 @@ impl Cuda {
                 let (many, n) =
                     Many::of(ro, mats[i..].iter().map(|&(t, m, y)| (self.p(t), self.p(&y.buf), self.desc(m))));
                 i += n;
-                launch!(&self.dev, &format!("mmgo_{suffix}"), grid((many.blocks(), n_work as u32), 128, 0);
+                launch!(&self.dev, &format!("mmgo_{suffix}"), grid((many.blocks(), n_work as u32), decode_threads(m.dtype, m.cols), 0);
                     many, cols, x_at, xrow, work, ro as i32, yrow)?;
             }
             Ok::<(), Error>(())
@@ -827,7 +827,7 @@ impl Cuda {
             let g = self.act(j, inter)?;
             let (kind, alpha, limit) = glu_args(ffn.glu);
             launch!(&self.dev, &format!("mmglu_{}", format_suffix(gate.dtype)),
-                grid((inter.div_ceil(2) as u32, n_work as u32), 128, 0);
+                grid((inter.div_ceil(2) as u32, n_work as u32), decode_threads(gate.dtype, gate.cols), 0);
                 self.p(&tables.gate), self.p(&tables.up), gate.row_bytes as i64, inter as i32, gate.cols as i32,
                 self.p(&x.buf), self.p(rows), self.p(work), self.p(&g.buf), kind, alpha, limit)?;
             return grouped(&[(&tables.down, &shape.down, per_slot)], &g, 0, self.p(slots));
@@ -874,6 +874,19 @@ fn outputs_per_block(rows: usize, cols: usize) -> usize {
         _ => 1,
     }
 }
+
+/// Threads a block of a decode product (`mmo_`, `mmgo_`, `mmglu_`) for a weight of
+/// `cols` columns: a warp per run of columns (256 of a K-quant, 128 of other formats;
+/// kernels.cu's `rows_loop`) up to `MM_WARPS`, so that a product of fewer runs (an
+/// expert's down product of 768: three) keeps no idle warp and an SM holds more of its
+/// blocks. The sums are the same bits (`block_sums` adds the missing warps' zeros).
+fn decode_threads(dtype: DType, cols: usize) -> u32 {
+    let run = if matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K) { 256 } else { 128 };
+    32 * cols.div_ceil(run).clamp(1, MM_WARPS) as u32
+}
+
+/// Warps a product's block has at most (`MM_WARPS` in kernels.cu).
+const MM_WARPS: usize = 4;
 
 /// Shared memory of a plan over `e` experts (kernels.cu's `plan_block`: a count, a
 /// start and a first work item per expert).
@@ -1777,7 +1790,7 @@ impl Backend for Cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::{ATT_KERNELS, MANY_MATS, Many, MatDesc, attention_kernel, attention_splits};
+    use super::{ATT_KERNELS, MANY_MATS, Many, MatDesc, attention_kernel, attention_splits, decode_threads};
     use crate::device::{Unit, kernel_names};
     use sluice_core::DType;
 
@@ -1821,6 +1834,18 @@ mod tests {
         assert_eq!((n, m.end), (MANY_MATS, [3, 5, 6]));
         let (m, n) = run(4, &[mat(DType::Q8_0, 3)]);
         assert_eq!((n, m.end, m.blocks()), (1, [1, 1, 1], 1));
+    }
+
+    /// A warp per run of columns, at most four: an expert's down product of 768
+    /// columns in Q4_K takes three, a product of 2048 four, a small f32 one one.
+    #[test]
+    fn decode_products_take_a_warp_a_run() {
+        assert_eq!(decode_threads(DType::Q4K, 768), 96);
+        assert_eq!(decode_threads(DType::Q6K, 256), 32);
+        assert_eq!(decode_threads(DType::Q4K, 2048), 128);
+        assert_eq!(decode_threads(DType::Q8_0, 384), 96);
+        assert_eq!(decode_threads(DType::F32, 64), 32);
+        assert_eq!(decode_threads(DType::F32, 4096), 128);
     }
 
     /// Runs of 64 up to 16 of them, then longer runs: never more than 16 blocks, and

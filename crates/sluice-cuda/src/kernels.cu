@@ -333,7 +333,11 @@ __device__ __forceinline__ void block_sums(const float* acc, int nr, Y store) {
     __syncthreads();
     if (threadIdx.x < RO * nr) {
         float s = 0.0f;
-        for (int w = 0; w < MM_WARPS; w++) s += part[w][threadIdx.x];
+        // A block of fewer warps (a decode product of fewer runs than MM_WARPS, see
+        // backend.rs's `decode_threads`) adds the zeros of those it lacks, so that its
+        // sums are the bits of a full block's.
+        int warps = blockDim.x >> 5;
+        for (int w = 0; w < MM_WARPS; w++) s += w < warps ? part[w][threadIdx.x] : 0.0f;
         store(threadIdx.x / nr, threadIdx.x % nr, s);
     }
 }
@@ -877,13 +881,24 @@ extern "C" __global__ void copy_columns(float* dst, int dcols, int dstart, const
         dst[r * dcols + h * (dcols / heads) + dstart + j] = src[r * scols + h * (scols / heads) + sstart + j];
     }
 }
-// out[r, :] = sum over j < k of w[r * k + j] * ys[r * k + j, :], in j order.
+// out[r, :] = sum over j < k of w[r * k + j] * ys[r * k + j, :], in j order. The
+// first COMBINE_HELD terms' loads are issued together before the sum takes them.
+#define COMBINE_HELD 8
 extern "C" __global__ void combine(const float* ys, const float* w, int k, int cols, float* out, long long n) {
     grid_entry();
     EACH(n) {
         long long r = i / cols, c = i % cols;
+        float wv[COMBINE_HELD], yv[COMBINE_HELD];
+#pragma unroll
+        for (int j = 0; j < COMBINE_HELD; j++) {
+            wv[j] = j < k ? w[r * k + j] : 0.0f;
+            yv[j] = j < k ? ys[(r * k + j) * cols + c] : 0.0f;
+        }
         float s = 0.0f;
-        for (int j = 0; j < k; j++) s += w[r * k + j] * ys[(r * k + j) * cols + c];
+#pragma unroll
+        for (int j = 0; j < COMBINE_HELD; j++)
+            if (j < k) s += wv[j] * yv[j];
+        for (int j = COMBINE_HELD; j < k; j++) s += w[r * k + j] * ys[(r * k + j) * cols + c];
         out[i] = s;
     }
 }
@@ -1313,15 +1328,38 @@ extern "C" __global__ void attention_merge(const float* part, const RowMeta* met
     int len = att_len(m, window);
     int sl = att_split_len(len), ns = (len + sl - 1) / sl;
     const float* base = part + ((long long)row * n_heads + h) * zdim * (hd + 2);
+    // Every split's maximum and sum, and a thread's first dimension of each, loaded
+    // together before any is used (ns <= ATT_MAX_SPLITS: backend.rs's
+    // `attention_splits`); the sums are the same expressions, in split order.
+    float mx[ATT_MAX_SPLITS], sum[ATT_MAX_SPLITS], val[ATT_MAX_SPLITS];
+    int d0 = threadIdx.x;
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        bool in = s < ns;
+        mx[s] = in ? base[s * (hd + 2)] : 0.0f;
+        sum[s] = in ? base[s * (hd + 2) + 1] : 0.0f;
+        val[s] = in && d0 < hd ? base[s * (hd + 2) + 2 + d0] : 0.0f;
+    }
+    float sink = sinks ? sinks[h] : 0.0f;
     float M = __int_as_float(0xff800000);
-    for (int s = 0; s < ns; s++) M = fmaxf(M, base[s * (hd + 2)]);
-    if (sinks) M = fmaxf(M, sinks[h]);
-    float L = sinks ? expf(sinks[h] - M) : 0.0f;
-    for (int s = 0; s < ns; s++) L += base[s * (hd + 2) + 1] * expf(base[s * (hd + 2)] - M);
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++)
+        if (s < ns) M = fmaxf(M, mx[s]);
+    if (sinks) M = fmaxf(M, sink);
+    float L = sinks ? expf(sink - M) : 0.0f;
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++)
+        if (s < ns) L += sum[s] * expf(mx[s] - M);
     float inv = 1.0f / L;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    for (int d = d0; d < hd; d += blockDim.x) {
+        if (d != d0) {
+#pragma unroll
+            for (int s = 0; s < ATT_MAX_SPLITS; s++) val[s] = s < ns ? base[s * (hd + 2) + 2 + d] : 0.0f;
+        }
         float o = 0.0f;
-        for (int s = 0; s < ns; s++) o += base[s * (hd + 2) + 2 + d] * expf(base[s * (hd + 2)] - M);
+#pragma unroll
+        for (int s = 0; s < ATT_MAX_SPLITS; s++)
+            if (s < ns) o += val[s] * expf(mx[s] - M);
         out[((long long)row * n_heads + h) * hd + d] = o * inv;
     }
 }
