@@ -637,7 +637,8 @@ impl Cuda {
             // This matrix and those after it of its format, in one launch.
             let (many, n) = Many::of(ro, ws[i..].iter().zip(&ys[i..]).map(|(m, y)| (m.ptr, self.p(&y.buf), *m)));
             i += n;
-            launch!(&self.dev, &format!("mmo_{suffix}"), grid((many.blocks(), row_passes), decode_threads(w.dtype, w.cols), 0);
+            let threads = decode_threads(w.dtype, w.cols);
+            launch!(&self.dev, &format!("mmo_{suffix}"), grid((many.blocks(), row_passes), threads, 0);
                 many, cols, input, rows, ro as i32)?;
         }
         Ok(ys)
@@ -810,7 +811,8 @@ impl Cuda {
                 let (many, n) =
                     Many::of(ro, mats[i..].iter().map(|&(t, m, y)| (self.p(t), self.p(&y.buf), self.desc(m))));
                 i += n;
-                launch!(&self.dev, &format!("mmgo_{suffix}"), grid((many.blocks(), n_work as u32), decode_threads(m.dtype, m.cols), 0);
+                let threads = decode_threads(m.dtype, m.cols);
+                launch!(&self.dev, &format!("mmgo_{suffix}"), grid((many.blocks(), n_work as u32), threads, 0);
                     many, cols, x_at, xrow, work, ro as i32, yrow)?;
             }
             Ok::<(), Error>(())
@@ -885,9 +887,6 @@ fn decode_threads(dtype: DType, cols: usize) -> u32 {
     32 * cols.div_ceil(run).clamp(1, MM_WARPS) as u32
 }
 
-/// Warps a product's block has at most (`MM_WARPS` in kernels.cu).
-const MM_WARPS: usize = 4;
-
 /// Shared memory of a plan over `e` experts (kernels.cu's `plan_block`: a count, a
 /// start and a first work item per expert).
 fn plan_shared(e: usize) -> u32 {
@@ -896,6 +895,9 @@ fn plan_shared(e: usize) -> u32 {
 
 /// Input rows per pass of a product over the weights (`MM_ROWS` in kernels.cu).
 const MM_ROWS: usize = 8;
+
+/// Warps a product's block has at most (`MM_WARPS` in kernels.cu).
+const MM_WARPS: usize = 4;
 
 /// The most matrices one `mmo_`/`mmgo_` launch takes (`MANY_MATS` in kernels.cu).
 const MANY_MATS: usize = 3;
