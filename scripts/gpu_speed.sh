@@ -4,7 +4,8 @@
 # CUDA backend on it, one line per measurement (medians of three runs), for
 # scripts/device-notes.md. SPEED_TRACE=1 adds a per-kernel table of 64 decode steps
 # and of one prompt (SLUICE_CUDA_TRACE=sync: each launch waited for; cpu: the host's
-# time per call).
+# time per call). SPEED_PROFILE=1 and SPEED_STALLS=1: Nsight Compute's views of one
+# decode step (below).
 set -uo pipefail
 m=${SPEED_MODEL:-/tmp/q30.gguf}
 # SPEED_BIN: another build to time (a baseline), devbin/sluice by default.
@@ -60,4 +61,17 @@ if [ -n "${SPEED_PROFILE:-}" ]; then
         --gen-tokens 8 >/tmp/profile.csv 2>/tmp/profile.err ||
         tail -5 /tmp/profile.err
     python3 scripts/profile_table.py /tmp/profile.csv
+fi
+if [ -n "${SPEED_STALLS:-}" ]; then
+    # Why the decode products and attention wait: Nsight Compute's warp states (cycles
+    # between a warp's instructions and their reasons, with its rules' reading of them)
+    # and occupancy (what limits blocks an SM), for a few decode launches of each
+    # kernel SPEED_STALLS_KERNELS matches (the skip counts only matching launches).
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    echo "== warp states ($ncu), decode after ${SPEED_PROFILE_PROMPT:-512} tokens"
+    "$ncu" --clock-control none -k "regex:${SPEED_STALLS_KERNELS:-^(mmo_q|mmglu_|mmgo_|attention_1)}" \
+        --launch-skip "${SPEED_STALLS_SKIP:-400}" --launch-count "${SPEED_STALLS_COUNT:-8}" \
+        --section WarpStateStats --section Occupancy "${bench[@]}" --repeat 1 \
+        --prompt-tokens "${SPEED_PROFILE_PROMPT:-512}" --gen-tokens 8 2>&1 |
+        grep -vE '^(==PROF==|prompt|decode|  *-+ *-+)' | head -"${SPEED_STALLS_LINES:-240}"
 fi
