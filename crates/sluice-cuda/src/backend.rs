@@ -51,28 +51,67 @@ struct DevQ {
     sums: Scratch<u32>,
 }
 
-/// How the products multiply K-quant weights (Q4_K, Q5_K, Q6_K).
+/// How the products multiply K-quant weights (Q4_K, Q5_K, Q6_K); other formats always
+/// take the float products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Products {
+    /// Rows at 8 bits (a prompt's, `Precision::Fast`) on tensor cores, int8 `mma`
+    /// against activations quantized as the CPU quantizes them; rows at 16 bits (decode
+    /// rows) unpacked to f32 as `Float` does, the faster for one row (the default from
+    /// compute capability 8.0).
+    Tensor,
     /// Against activations quantized to the row's precision, by `dp4a`
     /// (`SLUICE_CUDA_PRODUCTS=int`; slower than the float products in this first
-    /// version, scripts/device-notes.md, so not the default).
+    /// version, scripts/device-notes.md).
     Integer,
-    /// Each weight unpacked to f32 against f32 activations (the default).
+    /// Each weight unpacked to f32 against f32 activations (`SLUICE_CUDA_PRODUCTS=float`;
+    /// the default before compute capability 8.0).
     Float,
 }
 
 impl Products {
-    fn from_env() -> Products {
+    fn from_env(capability: (i32, i32)) -> Products {
         match std::env::var("SLUICE_CUDA_PRODUCTS").as_deref() {
             Ok("int") => Products::Integer,
+            Ok("float") => Products::Float,
+            _ if capability.0 >= 8 => Products::Tensor,
             _ => Products::Float,
         }
     }
+}
 
-    /// Whether weights of `dtype` take the integer products.
-    fn integer(self, dtype: DType) -> bool {
-        self == Products::Integer && matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K)
+/// The kernels a product over the step's rows takes (`Cuda::path`). A row's bits
+/// depend on its precision, never on the rows beside it: where a step mixes rows at 8
+/// and 16 bits, every row is computed by the float products and the rows at 8 bits
+/// again by the tensor cores, whose results replace them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Float,
+    Integer,
+    Tensor,
+    FloatThenTensor,
+}
+
+impl Path {
+    fn of(products: Products, precision: &RowPrecision, dtype: DType) -> Path {
+        if !matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K) {
+            return Path::Float;
+        }
+        match (products, precision) {
+            (Products::Float, _) => Path::Float,
+            (Products::Integer, _) => Path::Integer,
+            (Products::Tensor, RowPrecision::All(Precision::Fast)) => Path::Tensor,
+            (Products::Tensor, RowPrecision::All(Precision::Accurate)) => Path::Float,
+            (Products::Tensor, RowPrecision::PerRow(_)) => Path::FloatThenTensor,
+        }
+    }
+
+    fn float(self) -> bool {
+        matches!(self, Path::Float | Path::FloatThenTensor)
+    }
+
+    fn tensor(self) -> bool {
+        matches!(self, Path::Tensor | Path::FloatThenTensor)
     }
 }
 
@@ -133,6 +172,9 @@ struct ExpertPlan {
     expert_of: Scratch<u32>,
     work: Scratch<u32>,
     n_work: usize,
+    /// The same as `MT_ROWS` rows of one expert a tile, for the tensor-core products.
+    tiles: Scratch<u32>,
+    n_tiles: usize,
 }
 
 /// One expert's three matrices in device memory.
@@ -311,14 +353,15 @@ impl Cuda {
     /// GPU `ordinal`: starts a context and compiles the kernels (a fraction of a
     /// second), or says why CUDA cannot be used here.
     pub fn open(ordinal: usize) -> Result<Cuda> {
+        let dev = Arc::new(Device::open(ordinal)?);
         Ok(Cuda {
-            dev: Arc::new(Device::open(ordinal)?),
             tier: Arc::default(),
             tier_budget: None,
             limit: None,
             constants: Arc::default(),
             precision: RowPrecision::default(),
-            products: Products::from_env(),
+            products: Products::from_env(dev.capability()),
+            dev,
         })
     }
 
@@ -496,10 +539,18 @@ impl Cuda {
         Ok(p)
     }
 
-    /// Whether products with weights of `dtype` multiply quantized activations (the
-    /// integer products) rather than f32 ones.
-    pub fn integer_products(&self, dtype: DType) -> bool {
-        self.products.integer(dtype)
+    /// Whether products with weights of `dtype` multiply rows at `precision` as
+    /// quantized activations (the integer and tensor-core products) rather than as f32.
+    pub fn quantizes(&self, dtype: DType, precision: Precision) -> bool {
+        match self.with_precision(RowPrecision::All(precision)).path(dtype) {
+            Path::Integer | Path::Tensor => true,
+            Path::Float | Path::FloatThenTensor => false,
+        }
+    }
+
+    /// The kernels a product with weights of `dtype` takes over the step's rows.
+    fn path(&self, dtype: DType) -> Path {
+        Path::of(self.products, &self.precision, dtype)
     }
 
     /// The GPU's name, as the driver gives it.
@@ -620,26 +671,39 @@ impl Cuda {
         while i < ws.len() {
             let (w, y_at) = (ws[i], self.p(&ys[i].buf));
             let suffix = format_suffix(w.dtype);
-            if self.products.integer(w.dtype) {
-                let qin = self.qin(self.quantized(x, None)?, x.rows, x.cols);
+            let path = self.path(w.dtype);
+            let qin = || Ok::<_, Error>(self.qin(self.quantized(x, None)?, x.rows, x.cols));
+            if path == Path::Integer {
                 launch!(&self.dev, &format!("mmq_{suffix}"), grid((w.rows as u32, row_passes), 128, 0);
-                    w.ptr, w.row_bytes as i64, w.rows as i32, qin, y_at)?;
+                    w.ptr, w.row_bytes as i64, w.rows as i32, qin()?, y_at)?;
                 i += 1;
                 continue;
             }
             let ro = outputs_per_block(x.rows, w.cols);
-            if ro == 1 {
+            // The matrices this pass takes: this one, and for decode rows those after
+            // it of its format, in one launch.
+            let n = if path.float() && ro == 1 {
                 launch!(&self.dev, &format!("mm_{suffix}"), grid((w.rows as u32, row_passes), 128, 0);
                     w.ptr, w.row_bytes as i64, w.rows as i32, cols, input, rows, y_at)?;
-                i += 1;
-                continue;
+                1
+            } else if path.float() {
+                let (many, n) =
+                    Many::of(ro, ws[i..].iter().zip(&ys[i..]).map(|(m, y)| (m.ptr, self.p(&y.buf), *m)));
+                let threads = decode_threads(w.dtype, w.cols);
+                launch!(&self.dev, &format!("mmo_{suffix}"), grid((many.blocks(), row_passes), threads, 0);
+                    many, cols, input, rows, ro as i32)?;
+                n
+            } else {
+                1
+            };
+            if path.tensor() {
+                let tiles = x.rows.div_ceil(MT_ROWS) as u32;
+                for (w, y) in ws[i..i + n].iter().zip(&ys[i..i + n]) {
+                    launch!(&self.dev, &format!("mmt_{suffix}"), grid((w.rows.div_ceil(MT_OUT) as u32, tiles), MT_THREADS, 0);
+                        w.ptr, w.row_bytes as i64, w.rows as i32, qin()?, self.p(&y.buf))?;
+                }
             }
-            // This matrix and those after it of its format, in one launch.
-            let (many, n) = Many::of(ro, ws[i..].iter().zip(&ys[i..]).map(|(m, y)| (m.ptr, self.p(&y.buf), *m)));
             i += n;
-            let threads = decode_threads(w.dtype, w.cols);
-            launch!(&self.dev, &format!("mmo_{suffix}"), grid((many.blocks(), row_passes), threads, 0);
-                many, cols, input, rows, ro as i32)?;
         }
         Ok(ys)
     }
@@ -737,7 +801,10 @@ impl Cuda {
     fn expert_plan(&self, j: usize, e: usize) -> Result<ExpertPlan> {
         // Work items: at most one part-filled one per expert used, plus the full ones.
         let n_work = j.div_ceil(MM_ROWS) + e.min(j);
+        let n_tiles = j.div_ceil(MT_ROWS) + e.min(j);
         Ok(ExpertPlan {
+            tiles: self.dev.scratch::<u32>(4 * n_tiles)?,
+            n_tiles,
             slots: self.dev.scratch::<u32>(j)?,
             rows: self.dev.scratch::<u32>(j)?,
             expert_of: self.dev.scratch::<u32>(j)?,
@@ -772,11 +839,12 @@ impl Cuda {
                 made = self.expert_plan(j, e)?;
                 launch!(&self.dev, "plan_experts", grid((1, 1), 256, plan_shared(e));
                     self.p(&routing.ids), j as i32, k as i32, e as i32, self.p(&made.slots), self.p(&made.rows),
-                    self.p(&made.expert_of), self.p(&made.work), made.n_work as i32)?;
+                    self.p(&made.expert_of), self.p(&made.work), made.n_work as i32, self.p(&made.tiles),
+                    made.n_tiles as i32)?;
                 &made
             }
         };
-        let ExpertPlan { slots, rows, expert_of, work, n_work } = plan;
+        let ExpertPlan { slots, rows, expert_of, work, n_work, tiles, n_tiles } = plan;
         let n_work = *n_work;
         // `xrow`: the step's row of each compact row (null: the input is the compact
         // rows themselves, whose step rows are `rows`).
@@ -793,27 +861,41 @@ impl Cuda {
                 let (ws, m, y) = mats[i];
                 let suffix = format_suffix(m.dtype);
                 let (ws, y_at) = (self.p(ws), self.p(&y.buf));
-                if self.products.integer(m.dtype) {
+                let path = self.path(m.dtype);
+                let qin = || {
                     let map = if xrow == 0 { Some(self.p(rows)) } else { None };
-                    let qin = self.qin(self.quantized(input, map)?, input.rows, input.cols);
+                    Ok::<_, Error>(self.qin(self.quantized(input, map)?, input.rows, input.cols))
+                };
+                if path == Path::Integer {
                     launch!(&self.dev, &format!("mmgq_{suffix}"), grid((m.rows as u32, n_work as u32), 128, 0);
-                        ws, m.row_bytes as i64, m.rows as i32, qin, xrow, work, y_at, yrow)?;
+                        ws, m.row_bytes as i64, m.rows as i32, qin()?, xrow, work, y_at, yrow)?;
                     i += 1;
                     continue;
                 }
                 let ro = outputs_per_block(step_rows, m.cols);
-                if ro == 1 {
+                let n = if path.float() && ro == 1 {
                     launch!(&self.dev, &format!("mmg_{suffix}"), grid((m.rows as u32, n_work as u32), 128, 0);
                         ws, m.row_bytes as i64, m.rows as i32, cols, x_at, xrow, work, y_at, yrow)?;
-                    i += 1;
-                    continue;
+                    1
+                } else if path.float() {
+                    let (many, n) =
+                        Many::of(ro, mats[i..].iter().map(|&(t, m, y)| (self.p(t), self.p(&y.buf), self.desc(m))));
+                    let threads = decode_threads(m.dtype, m.cols);
+                    launch!(&self.dev, &format!("mmgo_{suffix}"), grid((many.blocks(), n_work as u32), threads, 0);
+                        many, cols, x_at, xrow, work, ro as i32, yrow)?;
+                    n
+                } else {
+                    1
+                };
+                if path.tensor() {
+                    for &(t, m, y) in &mats[i..i + n] {
+                        launch!(&self.dev, &format!("mmgt_{suffix}"),
+                            grid((m.rows.div_ceil(MT_OUT) as u32, *n_tiles as u32), MT_THREADS, 0);
+                            self.p(t), m.row_bytes as i64, m.rows as i32, qin()?, xrow, self.p(tiles),
+                            self.p(&y.buf), yrow)?;
+                    }
                 }
-                let (many, n) =
-                    Many::of(ro, mats[i..].iter().map(|&(t, m, y)| (self.p(t), self.p(&y.buf), self.desc(m))));
                 i += n;
-                let threads = decode_threads(m.dtype, m.cols);
-                launch!(&self.dev, &format!("mmgo_{suffix}"), grid((many.blocks(), n_work as u32), threads, 0);
-                    many, cols, x_at, xrow, work, ro as i32, yrow)?;
             }
             Ok::<(), Error>(())
         };
@@ -823,7 +905,7 @@ impl Cuda {
             && outputs_per_block(step_rows, gate.cols) == 4
             && gate.dtype == up.dtype
             && (gate.rows, gate.cols, gate.row_bytes) == (up.rows, up.cols, up.row_bytes)
-            && !self.products.integer(gate.dtype)
+            && self.path(gate.dtype) == Path::Float
         {
             // Decode rows: gate, up and their GLU in one launch (mmglu_), then down.
             let g = self.act(j, inter)?;
@@ -888,13 +970,19 @@ fn decode_threads(dtype: DType, cols: usize) -> u32 {
 }
 
 /// Shared memory of a plan over `e` experts (kernels.cu's `plan_block`: a count, a
-/// start and a first work item per expert).
+/// start, a first work item and a first tile per expert).
 fn plan_shared(e: usize) -> u32 {
-    (3 * e * size_of::<i32>()) as u32
+    (4 * e * size_of::<i32>()) as u32
 }
 
 /// Input rows per pass of a product over the weights (`MM_ROWS` in kernels.cu).
 const MM_ROWS: usize = 8;
+
+/// Input rows and outputs of a tensor-core product's block, and its threads
+/// (`MT_ROWS`, `MT_OUT`, `MT_WARPS` in kernels.cu).
+const MT_ROWS: usize = 32;
+const MT_OUT: usize = 64;
+const MT_THREADS: u32 = 128;
 
 /// Warps a product's block has at most (`MM_WARPS` in kernels.cu).
 const MM_WARPS: usize = 4;
@@ -1519,7 +1607,7 @@ impl Backend for Cuda {
                 launch!(&self.dev, "route_plan", grid((1, 1), 128, plan_shared(e));
                     logits, rows as i32, e as i32, k as i32, kind, renorm as i32, bias, scale, self.p(&ids),
                     self.p(&weights), self.p(&p.slots), self.p(&p.rows), self.p(&p.expert_of), self.p(&p.work),
-                    p.n_work as i32)?;
+                    p.n_work as i32, self.p(&p.tiles), p.n_tiles as i32)?;
                 plan = Some(p);
             } else if rows > 0 {
                 launch!(&self.dev, "route_top_k", grid((rows.div_ceil(4) as u32, 1), 128, 0);
@@ -1792,7 +1880,10 @@ impl Backend for Cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::{ATT_KERNELS, MANY_MATS, Many, MatDesc, attention_kernel, attention_splits, decode_threads};
+    use super::{
+        ATT_KERNELS, MANY_MATS, Many, MatDesc, Path, Products, RowPrecision, attention_kernel, attention_splits,
+        decode_threads,
+    };
     use crate::device::{Unit, kernel_names};
     use sluice_core::DType;
 
@@ -1848,6 +1939,25 @@ mod tests {
         assert_eq!(decode_threads(DType::Q8_0, 384), 96);
         assert_eq!(decode_threads(DType::F32, 64), 32);
         assert_eq!(decode_threads(DType::F32, 4096), 128);
+    }
+
+    /// A prompt's rows (8 bits) take the tensor cores, decode rows (16 bits) the float
+    /// products, a step of both kinds both (each row keeping its own kind's bits); only
+    /// the K-quants have integer kernels, and the environment's choices hold.
+    #[test]
+    fn a_rows_precision_chooses_its_products() {
+        use sluice_core::Precision::{Accurate, Fast};
+        let mixed = RowPrecision::from_rows(vec![Fast, Accurate, Fast]);
+        let all = |p| RowPrecision::All(p);
+        assert_eq!(Path::of(Products::Tensor, &all(Fast), DType::Q4K), Path::Tensor);
+        assert_eq!(Path::of(Products::Tensor, &all(Accurate), DType::Q6K), Path::Float);
+        assert_eq!(Path::of(Products::Tensor, &mixed, DType::Q5K), Path::FloatThenTensor);
+        assert_eq!(Path::of(Products::Tensor, &all(Fast), DType::Q8_0), Path::Float);
+        assert_eq!(Path::of(Products::Integer, &mixed, DType::Q4K), Path::Integer);
+        assert_eq!(Path::of(Products::Integer, &mixed, DType::MXFP4), Path::Float);
+        assert_eq!(Path::of(Products::Float, &all(Fast), DType::Q4K), Path::Float);
+        assert!(Path::FloatThenTensor.float() && Path::FloatThenTensor.tensor());
+        assert!(!Path::Tensor.float() && !Path::Float.tensor());
     }
 
     /// Runs of 64 up to 16 of them, then longer runs: never more than 16 blocks, and

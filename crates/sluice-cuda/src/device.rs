@@ -62,7 +62,7 @@ impl Unit {
     /// The unit that holds kernel `name`.
     fn of(name: &str) -> Unit {
         let format =
-            ["mmgq_", "mmq_", "mmgo_", "mmo_", "mmg_", "mm_", "embed_"].iter().find_map(|p| name.strip_prefix(p));
+            ["mmgq_", "mmq_", "mmgt_", "mmt_", "mmgo_", "mmo_", "mmg_", "mm_", "embed_"].iter().find_map(|p| name.strip_prefix(p));
         format
             .and_then(|f| DType::ALL.iter().find(|&&d| format_suffix(d) == f))
             .map_or(Unit::Common, |&d| Unit::Format(d))
@@ -268,6 +268,11 @@ impl Device {
         }
         loaded.push(unit);
         Ok(())
+    }
+
+    /// The device's compute capability (major, minor).
+    pub fn capability(&self) -> (i32, i32) {
+        self.capability
     }
 
     /// Free and total device memory, in bytes.
@@ -696,9 +701,10 @@ pub(crate) fn variant() -> Option<u32> {
 
 /// Whether kernel `name` begins with kernels.cu's `grid_entry` (and so may be
 /// started while the one before it runs): all but the products of prompt and batch
-/// rows (`mm_`, `mmg_`, `mmq_`, `mmgq_`), where the wait cost more than it gave.
+/// rows (`mm_`, `mmg_`, `mmq_`, `mmgq_`, `mmt_`, `mmgt_`), where the wait cost more
+/// than it gave.
 fn waits_at_entry(name: &str) -> bool {
-    !["mm_", "mmg_", "mmq_", "mmgq_"].iter().any(|p| name.starts_with(p))
+    !["mm_", "mmg_", "mmq_", "mmgq_", "mmt_", "mmgt_"].iter().any(|p| name.starts_with(p))
 }
 
 /// Kernel names by weight format.
@@ -724,9 +730,9 @@ pub(crate) fn format_suffix(d: DType) -> &'static str {
 pub(crate) fn kernel_names(unit: Unit) -> Vec<String> {
     let d = match unit {
         Unit::Format(d) => {
-            // The integer products exist for the K-quants only (kernels.cu).
+            // The integer and tensor-core products exist for the K-quants only (kernels.cu).
             let integer: &[&str] =
-                if matches!(d, DType::Q4K | DType::Q5K | DType::Q6K) { &["mmq", "mmgq"] } else { &[] };
+                if matches!(d, DType::Q4K | DType::Q5K | DType::Q6K) { &["mmq", "mmgq", "mmt", "mmgt"] } else { &[] };
             return ["mm", "mmo", "mmg", "mmgo", "mmglu", "embed"]
                 .iter()
                 .chain(integer)
@@ -779,6 +785,10 @@ mod tests {
         let mut rest = SOURCE;
         while let Some(at) = rest.find("extern \"C\" __global__ void ") {
             rest = &rest[at + "extern \"C\" __global__ void ".len()..];
+            // A launch-bounds macro (DECODE_BOUNDS) before the name.
+            if let Some((_, r)) = rest.split_once(' ').filter(|(m, _)| m.ends_with("_BOUNDS")) {
+                rest = r;
+            }
             let name: String = match rest.strip_prefix("CAT(") {
                 Some(r) => r.split(',').next().unwrap_or_default().to_string(),
                 None => rest.split('(').next().unwrap_or_default().to_string(),
@@ -800,6 +810,6 @@ mod tests {
             assert_eq!(waits_at_entry(name), *waits, "kernel {name}: waits at its entry: {waits}");
         }
         let batch: Vec<&str> = found.iter().filter(|(_, w)| !w).map(|(n, _)| n.as_str()).collect();
-        assert_eq!(batch, ["mmg_", "mm_", "mmgq_", "mmq_"], "the kernels launched after the one before ends");
+        assert_eq!(batch, ["mmg_", "mm_", "mmgq_", "mmq_", "mmgt_", "mmt_"], "the kernels launched after the one before ends");
     }
 }

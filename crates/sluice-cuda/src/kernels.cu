@@ -755,6 +755,213 @@ __device__ void mmq_grouped(const unsigned long long* ws, long long row_bytes, i
     mmq_block<F>(row, it.n, GatherRow{xrow, it.start}, in, ScatterY{y, yrow, out, o, it.start});
 }
 
+// ---- Tensor-core products: a prompt's rows against K-quant weights ----
+//
+// Rows at 8 bits (a prompt's, Precision::Fast) take int8 `mma` against the weights'
+// codes: a block of four warps computes 64 outputs (16 a warp, mma's M) of up to
+// MT_ROWS input rows (groups of eight, mma's N), each warp over the whole row, so
+// every (output, row) sum is one thread's. A sub-block's integer sum is exact (Q6_K's
+// two groups of 16 joined by their scales in integers too), then scaled and added in
+// the row's block order: a row's bits do not depend on the rows beside it, nor on
+// where in a tile it falls. Rows at 16 bits (decode rows) are not stored: the float
+// products give those their bits (backend.rs's `Path::FloatThenTensor`).
+
+#define MT_WARPS 4
+#define MT_OUT (16 * MT_WARPS)
+#define MT_ROWS 32
+#define MT_GROUPS (MT_ROWS / 8)
+
+// c += A (16 x 32, rows of weight codes) * B (32 x 8, input rows' codes), as s8.
+__device__ __forceinline__ void mma_k32(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    __trap();  // backend.rs takes these kernels from compute capability 8.0 on
+#endif
+}
+// c = A (16 x 16) * B (16 x 8), as s8.
+__device__ __forceinline__ void mma_k16(int* c, u32 a0, u32 a1, u32 b0) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+#else
+    __trap();
+#endif
+}
+
+// Q6_K's 6-bit codes q (four a word) as the signed bytes q - 32.
+__device__ __forceinline__ u32 q6_signed(u32 q) {
+    u32 low = ~q & 0x20202020;  // q < 32: the result's top two bits are set
+    return (q ^ 0x20202020) | (low << 1) | (low << 2);
+}
+
+// The lane's part of a tile of input rows: the row whose codes it gives to mma's B
+// (8 * group + g) and the two whose sums it holds (8 * group + 2t, + 1), each as its
+// index in `in` (rows past the tile's n repeat its last).
+struct MtRows {
+    const i8* b[MT_GROUPS];
+    int c[MT_GROUPS][2];
+};
+
+// acc[grp][i] += the sub-block's sums scaled: c[i] of weight row a (i < 2) or b, input
+// row c[grp][i & 1]; `f` the weight rows' scales, `m` their mins' (Q4_K/Q5_K; zero
+// for Q6_K), block `blk` of the inputs.
+__device__ __forceinline__ void mt_scale(float* acc, const int* c, float fa, float fb, float ma, float mb,
+                                         const int* rc, const QIn& in, int blk) {
+    int blocks = in.cols >> 5;
+    float d0 = in.d[(long long)rc[0] * blocks + blk], d1 = in.d[(long long)rc[1] * blocks + blk];
+    float s0 = in.sx[(long long)rc[0] * blocks + blk], s1 = in.sx[(long long)rc[1] * blocks + blk];
+    acc[0] = __fmaf_rn(-ma, s0, __fmaf_rn((float)c[0], __fmul_rn(fa, d0), acc[0]));
+    acc[1] = __fmaf_rn(-ma, s1, __fmaf_rn((float)c[1], __fmul_rn(fa, d1), acc[1]));
+    acc[2] = __fmaf_rn(-mb, s0, __fmaf_rn((float)c[2], __fmul_rn(fb, d0), acc[2]));
+    acc[3] = __fmaf_rn(-mb, s1, __fmaf_rn((float)c[3], __fmul_rn(fb, d1), acc[3]));
+}
+
+// The warp's 16 outputs (weight rows wa: g, wb: g + 8 of them, for lane g = lane / 4)
+// over the whole row for `groups` groups of eight input rows, into acc[group][4]
+// (mma's C: outputs g, g, g + 8, g + 8 of input rows 2t, 2t + 1, 2t, 2t + 1).
+template <int F>
+__device__ __forceinline__ void mt_loop(const u8* wa, const u8* wb, const MtRows& r, int groups, const QIn& in,
+                                        float (*acc)[4]) {
+    int t = threadIdx.x & 3;
+    int cols = in.cols;
+    for (int sb = 0; sb < cols >> 8; sb++) {
+        if (F == F_Q4K || F == F_Q5K) {
+            const int bytes = F == F_Q4K ? 144 : 176, qs = F == F_Q4K ? 16 : 48;
+            const u8* ba = wa + bytes * sb;
+            const u8* bb = wb + bytes * sb;
+            u32 dma = ld32(ba), dmb = ld32(bb);
+            u32 ha0 = 0, ha1 = 0, hb0 = 0, hb1 = 0;
+            if (F == F_Q5K) ha0 = ld32(ba + 16 + 4 * t), ha1 = ld32(ba + 32 + 4 * t), hb0 = ld32(bb + 16 + 4 * t), hb1 = ld32(bb + 32 + 4 * t);
+            for (int p = 0; p < 4; p++) {
+                // Sub-blocks 2p and 2p + 1 share these bytes (low and high nibbles);
+                // a lane's are elements 4t.. and 16 + 4t.. of the weight rows a, b.
+                u32 qa0 = ld32(ba + qs + 32 * p + 4 * t), qa1 = ld32(ba + qs + 32 * p + 16 + 4 * t);
+                u32 qb0 = ld32(bb + qs + 32 * p + 4 * t), qb1 = ld32(bb + qs + 32 * p + 16 + 4 * t);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int j = 2 * p + h;
+                    u32 a0 = (qa0 >> (4 * h)) & 0x0f0f0f0f, a1 = (qb0 >> (4 * h)) & 0x0f0f0f0f;
+                    u32 a2 = (qa1 >> (4 * h)) & 0x0f0f0f0f, a3 = (qb1 >> (4 * h)) & 0x0f0f0f0f;
+                    if (F == F_Q5K) {
+                        a0 |= ((ha0 >> j) & 0x01010101) << 4, a1 |= ((hb0 >> j) & 0x01010101) << 4;
+                        a2 |= ((ha1 >> j) & 0x01010101) << 4, a3 |= ((hb1 >> j) & 0x01010101) << 4;
+                    }
+                    int sca, mna, scb, mnb;
+                    k_scale_min(ba + 4, j, &sca, &mna);
+                    k_scale_min(bb + 4, j, &scb, &mnb);
+                    float fa = h2f_lo(dma) * (float)sca, ma = h2f_hi(dma) * (float)mna;
+                    float fb = h2f_lo(dmb) * (float)scb, mb = h2f_hi(dmb) * (float)mnb;
+                    int e = 256 * sb + 32 * j;
+#pragma unroll
+                    for (int grp = 0; grp < MT_GROUPS; grp++) {
+                        if (grp >= groups) break;
+                        int c[4] = {0, 0, 0, 0};
+                        mma_k32(c, a0, a1, a2, a3, ld32((const u8*)r.b[grp] + e + 4 * t),
+                                ld32((const u8*)r.b[grp] + e + 16 + 4 * t));
+                        mt_scale(acc[grp], c, fa, fb, ma, mb, r.c[grp], in, e >> 5);
+                    }
+                }
+            }
+        } else {
+            // Q6_K: per half h, strips s and s + 2 share `ql` bytes (low and high
+            // nibbles), all four strips the half's `qh` bytes (two bits each).
+            const u8* ba = wa + 210 * sb;
+            const u8* bb = wb + 210 * sb;
+            float da = h2f((u16)ld16(ba + 208)), db = h2f((u16)ld16(bb + 208));
+            for (int hh = 0; hh < 2; hh++) {
+                u32 ha0 = ld32_2(ba + 128 + 32 * hh + 4 * t), ha1 = ld32_2(ba + 128 + 32 * hh + 16 + 4 * t);
+                u32 hb0 = ld32_2(bb + 128 + 32 * hh + 4 * t), hb1 = ld32_2(bb + 128 + 32 * hh + 16 + 4 * t);
+                for (int s = 0; s < 2; s++) {
+                    const u8* la = ba + 64 * hh + 32 * s;
+                    const u8* lb = bb + 64 * hh + 32 * s;
+                    u32 qa0 = ld32_2(la + 4 * t), qa1 = ld32_2(la + 16 + 4 * t);
+                    u32 qb0 = ld32_2(lb + 4 * t), qb1 = ld32_2(lb + 16 + 4 * t);
+#pragma unroll
+                    for (int nib = 0; nib < 2; nib++) {
+                        int strip = s + 2 * nib;
+                        u32 a0 = q6_signed(((qa0 >> (4 * nib)) & 0x0f0f0f0f) | (((ha0 >> (2 * strip)) & 0x03030303) << 4));
+                        u32 a1 = q6_signed(((qb0 >> (4 * nib)) & 0x0f0f0f0f) | (((hb0 >> (2 * strip)) & 0x03030303) << 4));
+                        u32 a2 = q6_signed(((qa1 >> (4 * nib)) & 0x0f0f0f0f) | (((ha1 >> (2 * strip)) & 0x03030303) << 4));
+                        u32 a3 = q6_signed(((qb1 >> (4 * nib)) & 0x0f0f0f0f) | (((hb1 >> (2 * strip)) & 0x03030303) << 4));
+                        // The strip's two groups of 16 and their scales.
+                        int g16 = 8 * hh + 2 * strip;
+                        int sa0 = ((const i8*)ba)[192 + g16], sa1 = ((const i8*)ba)[193 + g16];
+                        int sb0 = ((const i8*)bb)[192 + g16], sb1 = ((const i8*)bb)[193 + g16];
+                        int e = 256 * sb + 128 * hh + 32 * strip;
+#pragma unroll
+                        for (int grp = 0; grp < MT_GROUPS; grp++) {
+                            if (grp >= groups) break;
+                            int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+                            mma_k16(lo, a0, a1, ld32((const u8*)r.b[grp] + e + 4 * t));
+                            mma_k16(hi, a2, a3, ld32((const u8*)r.b[grp] + e + 16 + 4 * t));
+                            int c[4] = {lo[0] * sa0 + hi[0] * sa1, lo[1] * sa0 + hi[1] * sa1,
+                                        lo[2] * sb0 + hi[2] * sb1, lo[3] * sb0 + hi[3] * sb1};
+                            mt_scale(acc[grp], c, da, db, 0.0f, 0.0f, r.c[grp], in, e >> 5);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The block's 64 outputs from o0 (of `out`) for the tile's n (<= MT_ROWS) input rows,
+// xrow(r) giving row r's index in `in`; `store(o, r, v)` for each row at 8 bits.
+template <int F, class X, class Y>
+__device__ __forceinline__ void mt_block(const u8* w, long long row_bytes, int out, int o0, int n, X xrow,
+                                         const QIn& in, Y store) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int oa = o0 + 16 * warp + g, ob = oa + 8;
+    const u8* wa = w + (long long)min(oa, out - 1) * row_bytes;
+    const u8* wb = w + (long long)min(ob, out - 1) * row_bytes;
+    MtRows r;
+#pragma unroll
+    for (int grp = 0; grp < MT_GROUPS; grp++) {
+        r.b[grp] = in.q + xrow(min(8 * grp + g, n - 1)) * in.cols;
+        r.c[grp][0] = (int)xrow(min(8 * grp + 2 * t, n - 1));
+        r.c[grp][1] = (int)xrow(min(8 * grp + 2 * t + 1, n - 1));
+    }
+    float acc[MT_GROUPS][4];
+#pragma unroll
+    for (int grp = 0; grp < MT_GROUPS; grp++)
+        for (int i = 0; i < 4; i++) acc[grp][i] = 0.0f;
+    int groups = (n + 7) >> 3;
+    mt_loop<F>(wa, wb, r, groups, in, acc);
+#pragma unroll
+    for (int grp = 0; grp < MT_GROUPS; grp++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = 8 * grp + 2 * t + (i & 1), o = i < 2 ? oa : ob;
+            if (row < n && o < out && in.wide[r.c[grp][i & 1]] == 0) store(o, row, acc[grp][i]);
+        }
+    }
+}
+
+// y[r, o] = x[r, :] · W[o, :] for the rows at 8 bits. Grid (ceil(out / MT_OUT),
+// ceil(n / MT_ROWS)), block 32 * MT_WARPS.
+template <int F>
+__device__ void mmt(const u8* w, long long row_bytes, int out, QIn in, float* y) {
+    int r0 = blockIdx.y * MT_ROWS;
+    mt_block<F>(w, row_bytes, out, blockIdx.x * MT_OUT, min(MT_ROWS, in.n - r0), DenseRow{r0}, in,
+                DenseY{y, out, 0, r0});
+}
+
+// mm_grouped for the rows at 8 bits, over tiles (`Work` items of up to MT_ROWS
+// compact rows of one expert). Grid (ceil(out / MT_OUT), tiles).
+template <int F>
+__device__ void mmt_grouped(const unsigned long long* ws, long long row_bytes, int out, QIn in, const u32* xrow,
+                            const Work* tiles, float* y, const u32* yrow) {
+    Work it = tiles[blockIdx.y];
+    if (it.n == 0) return;
+    mt_block<F>((const u8*)ws[it.expert], row_bytes, out, blockIdx.x * MT_OUT, it.n, GatherRow{xrow, it.start}, in,
+                ScatterY{y, yrow, out, 0, it.start});
+}
+
 // out[i, :] = W[tokens[i], :] * scale. Grid (n, ceil(cols / 4 / 128)), block 128:
 // a thread per four elements.
 template <int F>
@@ -829,6 +1036,19 @@ extern "C" __global__ void CAT(mmgq_, SLUICE_FORMAT_NAME)(const unsigned long lo
 extern "C" __global__ void CAT(mmq_, SLUICE_FORMAT_NAME)(const u8* w, long long row_bytes, int out, QIn in,
                                                         float* y) {
     mmq<SLUICE_FORMAT>(w, row_bytes, out, in, y);
+}
+// The tensor-core products (backend.rs: `Path::Tensor`), with the integer products'
+// quantized input.
+#define TENSOR_BOUNDS __launch_bounds__(32 * MT_WARPS)
+extern "C" __global__ void TENSOR_BOUNDS CAT(mmgt_, SLUICE_FORMAT_NAME)(const unsigned long long* ws,
+                                                                       long long row_bytes, int out, QIn in,
+                                                                       const u32* xrow, const Work* tiles, float* y,
+                                                                       const u32* yrow) {
+    mmt_grouped<SLUICE_FORMAT>(ws, row_bytes, out, in, xrow, tiles, y, yrow);
+}
+extern "C" __global__ void TENSOR_BOUNDS CAT(mmt_, SLUICE_FORMAT_NAME)(const u8* w, long long row_bytes, int out,
+                                                                      QIn in, float* y) {
+    mmt<SLUICE_FORMAT>(w, row_bytes, out, in, y);
 }
 #endif
 #else
@@ -1519,13 +1739,15 @@ extern "C" __global__ void route_top_k(const float* logits, int rows, int e, int
 // The grouped products' plan from the routing: the (row, slot)s of `j` = rows * k
 // routed to each expert, expert after expert (slots in order within one), as
 // `slots` and their rows; `expert_of` each compact row's expert; work items of up to
-// MM_ROWS compact rows of one expert, the `n_work` items padded with empty ones. One
-// block; a thread per expert (looping if there are more experts than threads).
+// MM_ROWS compact rows of one expert, the `n_work` items padded with empty ones, and
+// likewise `tiles` of up to MT_ROWS for the tensor-core products. One block; a thread
+// per expert (looping if there are more experts than threads).
 __device__ void plan_block(const u32* ids, int j, int k, int e, u32* slots, u32* rows, u32* expert_of, Work* work,
-                           int n_work) {
-    extern __shared__ int count[];  // e counts, then e starts, then e first work items
+                           int n_work, Work* tiles, int n_tiles) {
+    extern __shared__ int count[];  // e counts, e starts, e first work items, e first tiles
     int* start = count + e;
     int* first = start + e;
+    int* first_tile = first + e;
     for (int x = threadIdx.x; x < e; x += blockDim.x) {
         int c = 0;
         for (int s = 0; s < j; s++) c += ids[s] == (u32)x;
@@ -1536,19 +1758,23 @@ __device__ void plan_block(const u32* ids, int j, int k, int e, u32* slots, u32*
     // by the first warp (each lane a run of experts, then a scan across the lanes).
     if (threadIdx.x < 32) {
         int lane = threadIdx.x, per = (e + 31) / 32, x0 = min(e, lane * per), x1 = min(e, x0 + per);
-        int c = 0, w = 0;
-        for (int x = x0; x < x1; x++) c += count[x], w += (count[x] + MM_ROWS - 1) / MM_ROWS;
-        int ci = c, wi = w;
+        int c = 0, w = 0, tw = 0;
+        for (int x = x0; x < x1; x++)
+            c += count[x], w += (count[x] + MM_ROWS - 1) / MM_ROWS, tw += (count[x] + MT_ROWS - 1) / MT_ROWS;
+        int ci = c, wi = w, ti = tw;
         for (int off = 1; off < 32; off <<= 1) {
             int a = __shfl_up_sync(0xffffffff, ci, off), b = __shfl_up_sync(0xffffffff, wi, off);
-            if (lane >= off) ci += a, wi += b;
+            int d = __shfl_up_sync(0xffffffff, ti, off);
+            if (lane >= off) ci += a, wi += b, ti += d;
         }
-        int at = ci - c, wk = wi - w;
+        int at = ci - c, wk = wi - w, tk = ti - tw;
         for (int x = x0; x < x1; x++) {
             start[x] = at;
             first[x] = wk;
+            first_tile[x] = tk;
             at += count[x];
             wk += (count[x] + MM_ROWS - 1) / MM_ROWS;
+            tk += (count[x] + MT_ROWS - 1) / MT_ROWS;
         }
     }
     __syncthreads();
@@ -1570,26 +1796,31 @@ __device__ void plan_block(const u32* ids, int j, int k, int e, u32* slots, u32*
             it.pad = 0;
             work[first[x] + i] = it;
         }
+        for (int i = 0; i * MT_ROWS < count[x]; i++)
+            tiles[first_tile[x] + i] = Work{x, start[x] + i * MT_ROWS, min(MT_ROWS, count[x] - i * MT_ROWS), 0};
     }
     __syncthreads();
     int used = first[e - 1] + (count[e - 1] + MM_ROWS - 1) / MM_ROWS;
     for (int i = used + threadIdx.x; i < n_work; i += blockDim.x) work[i] = Work{0, 0, 0, 0};
+    used = first_tile[e - 1] + (count[e - 1] + MT_ROWS - 1) / MT_ROWS;
+    for (int i = used + threadIdx.x; i < n_tiles; i += blockDim.x) tiles[i] = Work{0, 0, 0, 0};
 }
 extern "C" __global__ void plan_experts(const u32* ids, int j, int k, int e, u32* slots, u32* rows, u32* expert_of,
-                                        Work* work, int n_work) {
+                                        Work* work, int n_work, Work* tiles, int n_tiles) {
     grid_entry();
-    plan_block(ids, j, k, e, slots, rows, expert_of, work, n_work);
+    plan_block(ids, j, k, e, slots, rows, expert_of, work, n_work, tiles, n_tiles);
 }
 
 // route_top_k and then plan_experts in one block of 128 (a warp per row), for at most
 // four rows (decode): the plan of the ids this block has just written.
 extern "C" __global__ void route_plan(const float* logits, int rows, int e, int k, int kind, int renorm,
                                       const float* bias, const float* scale, u32* ids, float* weights, u32* slots,
-                                      u32* rows_of, u32* expert_of, Work* work, int n_work) {
+                                      u32* rows_of, u32* expert_of, Work* work, int n_work, Work* tiles,
+                                      int n_tiles) {
     grid_entry();
     route_row(threadIdx.x >> 5, logits, rows, e, k, kind, renorm, bias, scale, ids, weights);
     __syncthreads();  // the ids in global memory, visible to the whole block after it
-    plan_block(ids, rows * k, k, e, slots, rows_of, expert_of, work, n_work);
+    plan_block(ids, rows * k, k, e, slots, rows_of, expert_of, work, n_work, tiles, n_tiles);
 }
 
 #endif  // SLUICE_FORMAT

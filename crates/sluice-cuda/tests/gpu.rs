@@ -43,11 +43,11 @@ fn quantized_row(x: &[f32], wide: bool) -> Vec<f64> {
         .collect()
 }
 
-/// Each format's product for 1, 3, 5 and 9 input rows (each row bitwise as alone),
+/// Each format's product for 1, 3, 5, 9 and 40 input rows (each row bitwise as alone),
 /// and its embedding, against float64 sums over `sluice_core::quant::dequantize_row`.
-/// The K-quants' integer products (`SLUICE_CUDA_PRODUCTS=int`) multiply quantized
-/// activations: against those, with every row at 8 bits, at 16, and the two alternating in one
-/// product.
+/// The K-quants' tensor-core products (rows at 8 bits, by default) and integer
+/// products (`SLUICE_CUDA_PRODUCTS=int`) multiply quantized activations: against
+/// those, with every row at 8 bits, at 16, and the two alternating in one product.
 #[test]
 fn every_format_against_dequantized_f64() {
     let Some(be) = gpu() else { return };
@@ -67,9 +67,13 @@ fn every_format_against_dequantized_f64() {
                 })
                 .collect();
             let dm = be.upload_mat(m).unwrap();
-            let integer = be.integer_products(dtype);
-            let modes: &[&[Precision]] = if integer { &[&[fast], &[accurate], &[accurate, fast]] } else { &[&[fast]] };
-            for (n, mode) in [1, 3, 5, 9].into_iter().flat_map(|n| modes.iter().map(move |m| (n, m))) {
+            let quantizes = |p| be.quantizes(dtype, p);
+            let modes: &[&[Precision]] = if quantizes(fast) || quantizes(accurate) {
+                &[&[fast], &[accurate], &[accurate, fast]]
+            } else {
+                &[&[fast]]
+            };
+            for (n, mode) in [1, 3, 5, 9, 40].into_iter().flat_map(|n| modes.iter().map(move |m| (n, m))) {
                 let prec: Vec<Precision> = (0..n).map(|i| mode[i % mode.len()]).collect();
                 let be_n = be.with_precision(RowPrecision::from_rows(prec.clone()));
                 let x = random_input(n, cols, &mut rng);
@@ -87,7 +91,7 @@ fn every_format_against_dequantized_f64() {
                 );
                 for i in 0..n {
                     let xr = &x[i * cols..(i + 1) * cols];
-                    let xr: Vec<f64> = if integer {
+                    let xr: Vec<f64> = if quantizes(prec[i]) {
                         quantized_row(xr, prec[i] == accurate)
                     } else {
                         xr.iter().map(|&v| v as f64).collect()
@@ -322,7 +326,7 @@ fn gpu_against_cpu(what: &str, be: &Cuda, path: &Path, len: u32, decoded: usize)
     let (cpu_accurate, cpu_default) = (cpu(Some(Precision::Accurate)), cpu(None));
     let (kl, _) = kl_and_top1(&cpu_default, &cpu_accurate, vocab);
     eprintln!("{what}: the CPU's default precision against its Accurate one, mean KL {kl:.2e}");
-    let quantizes = be.integer_products(DType::Q4K);
+    let quantizes = be.quantizes(DType::Q4K, Precision::Fast);
     for precision in [Some(Precision::Accurate), None] {
         gpu_model.precision = precision;
         let g = go(&mut feed(&gpu_model));
