@@ -1492,7 +1492,7 @@ fn plan_on<B: Backend>(be: &B, a: &PlanArgs) -> Result<()> {
             p.decode_tok_s,
             ms(p.decode_memory_s),
             ms(p.decode_small_ops_s),
-            plan::SMALL_OPS_PER_LAYER * profile.layers
+            m.small_ops_per_layer * profile.layers
         );
         // The experts a cache lacks: how long moving them takes, how many bytes, where
         // from, and the cache's hit rate.

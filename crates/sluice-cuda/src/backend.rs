@@ -1773,6 +1773,14 @@ impl Backend for Cuda {
         Ok(Some(self.room(&t)? as u64))
     }
 
+    /// Three launches: the attention's norm (the residual's sum fused in), the
+    /// queries' and keys' norm and RoPE, the experts' norm (likewise). The KV writes
+    /// are one launch a step for all layers; routing, plan and combine are timed with
+    /// the experts, the split attention's join with attention.
+    fn small_ops_per_layer(&self) -> usize {
+        3
+    }
+
     fn device_rates(&self) -> Result<Option<DeviceRates>> {
         let (_, total) = self.dev.memory()?;
         let rates = self.dev.copy_rates()?;

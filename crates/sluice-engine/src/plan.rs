@@ -316,9 +316,11 @@ pub struct Machine {
     /// a GPU.
     pub experts: Option<ExpertsTime>,
     /// Seconds of one small operation on a row (a sum of two rows), one after another:
-    /// a layer's norms, RoPE, KV writes, sums and routing cost about
-    /// [`SMALL_OPS_PER_LAYER`] of them, a kernel launch each on a GPU.
+    /// a layer's norms, RoPE, KV writes, sums and routing cost `small_ops_per_layer`
+    /// of them, a kernel launch each on a GPU.
     pub small_op_s: f64,
+    /// The backend's count of those a decode layer ([`Backend::small_ops_per_layer`]).
+    pub small_ops_per_layer: usize,
     /// O_DIRECT reads of this model's experts, when measured.
     pub disk_bytes_per_s: Option<f64>,
     /// The backend's device, for one with memory of its own.
@@ -351,10 +353,11 @@ impl Precisions {
 /// A prompt the predictions are for: its length sets the rows of a prefill pass.
 pub const PROMPT: usize = 128;
 
-/// The operations of a decode layer other than its products and attention: two norms
-/// (one fused with the residual's sum), the query's and key's norm and RoPE, the KV
-/// write, the routing's top-k and plan, the experts' combine and the last sum. The
-/// CUDA backend launched ten such kernels a Qwen3-MoE layer at stop 49.
+/// The operations of a decode layer other than its products, attention and experts,
+/// as the CPU backend runs them: two norms (one fused with the residual's sum), the
+/// query's and key's norm and RoPE, the KV write, the routing's top-k and plan, the
+/// experts' combine and the last sum (a backend's own count:
+/// [`Backend::small_ops_per_layer`]).
 pub const SMALL_OPS_PER_LAYER: usize = 10;
 
 /// What [`Machine::measure`] times the backend on.
@@ -416,6 +419,7 @@ impl Machine {
             attention,
             experts,
             small_op_s: small_op_time(&decode_be, spec.hidden_size)?,
+            small_ops_per_layer: be.small_ops_per_layer(),
             disk_bytes_per_s,
             device: be.device_rates()?,
         })
@@ -701,7 +705,7 @@ pub fn predict(
         decode_memory_s += decode_experts_s;
         prefill_compute_s += layers * e.prefill_s / PROMPT as f64;
     }
-    let decode_small_ops_s = (p.layers * SMALL_OPS_PER_LAYER) as f64 * m.small_op_s;
+    let decode_small_ops_s = (p.layers * m.small_ops_per_layer) as f64 * m.small_op_s;
 
     // Experts that are not in memory come from disk: streamed ones through sluice's
     // cache, mapped ones through the page cache when the model does not fit in it.

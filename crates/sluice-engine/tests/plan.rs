@@ -145,6 +145,7 @@ fn flat_machine(profile: &Profile) -> Machine {
         attention: profile.attention.iter().map(|_| plan::AttnTime { decode_s: 0.0, prefill_s: 0.0 }).collect(),
         experts: Some(plan::ExpertsTime { decode_s: 1e-3, prefill_s: 1e-3 }),
         small_op_s: 0.0,
+        small_ops_per_layer: plan::SMALL_OPS_PER_LAYER,
         disk_bytes_per_s: None,
         device: None,
     }
@@ -181,7 +182,8 @@ fn a_device_plan_splits_its_memory_and_adds_the_copies_it_lacks() {
         locked_bytes_per_s: 1e6,
         pageable_bytes_per_s: 1e5,
     };
-    let machine = Machine { small_op_s: 1e-5, device: Some(rates), ..flat_machine(&profile) };
+    // A device backend's own count of small operations a layer (the CUDA backend's three).
+    let machine = Machine { small_op_s: 1e-5, small_ops_per_layer: 3, device: Some(rates), ..flat_machine(&profile) };
     let p = plan::predict(&profile, &at, &machine, LRU_UNIFORM, Some(&split));
     // Uniform routing over 8 experts with 4 held: half of the top-2 reads are copied.
     assert!((p.decode_device_hit_rate.unwrap() - 0.5).abs() < 1e-3, "{:?}", p.decode_device_hit_rate);
@@ -189,7 +191,7 @@ fn a_device_plan_splits_its_memory_and_adds_the_copies_it_lacks() {
     assert!((p.decode_copy_bytes_per_token - copied).abs() / copied < 1e-3);
     assert!((p.decode_copy_s - copied / 1e6).abs() < 1e-9, "page-locked copies for a resident store");
     let dense: usize = profile.products.iter().filter(|p| p.part != Part::Expert).map(|p| p.per_token).sum();
-    let small = (profile.layers * plan::SMALL_OPS_PER_LAYER) as f64 * 1e-5;
+    let small = (profile.layers * 3) as f64 * 1e-5;
     assert!((p.decode_small_ops_s - small).abs() < 1e-12);
     let step = (dense + profile.moe_layers.len()) as f64 * 1e-3 + small + copied / 1e6;
     assert!((1.0 / p.decode_tok_s - step).abs() < 1e-9, "products, small ops and copies add up");

@@ -315,6 +315,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn expert_room(&self) -> Result<Option<u64>> {
         Ok(None)
     }
+    /// The operations of a decode layer other than its products, attention and
+    /// experts that the backend runs one after another (a kernel launch each on a
+    /// GPU), for the planner's prediction ([`crate::plan::SMALL_OPS_PER_LAYER`] as the
+    /// CPU runs them).
+    fn small_ops_per_layer(&self) -> usize {
+        crate::plan::SMALL_OPS_PER_LAYER
+    }
     /// Measures the backend's device (about a second): its memory and the rates of
     /// copies within it and from the host. `None` (the default) for a backend that
     /// computes in host memory.
