@@ -687,8 +687,7 @@ impl Cuda {
                     w.ptr, w.row_bytes as i64, w.rows as i32, cols, input, rows, y_at)?;
                 1
             } else if path.float() {
-                let (many, n) =
-                    Many::of(ro, ws[i..].iter().zip(&ys[i..]).map(|(m, y)| (m.ptr, self.p(&y.buf), *m)));
+                let (many, n) = Many::of(ro, ws[i..].iter().zip(&ys[i..]).map(|(m, y)| (m.ptr, self.p(&y.buf), *m)));
                 let threads = decode_threads(w.dtype, w.cols);
                 launch!(&self.dev, &format!("mmo_{suffix}"), grid((many.blocks(), row_passes), threads, 0);
                     many, cols, input, rows, ro as i32)?;

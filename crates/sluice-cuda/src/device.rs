@@ -61,8 +61,9 @@ pub enum Unit {
 impl Unit {
     /// The unit that holds kernel `name`.
     fn of(name: &str) -> Unit {
-        let format =
-            ["mmgq_", "mmq_", "mmgt_", "mmt_", "mmgo_", "mmo_", "mmg_", "mm_", "embed_"].iter().find_map(|p| name.strip_prefix(p));
+        let format = ["mmgq_", "mmq_", "mmgt_", "mmt_", "mmgo_", "mmo_", "mmg_", "mm_", "embed_"]
+            .iter()
+            .find_map(|p| name.strip_prefix(p));
         format
             .and_then(|f| DType::ALL.iter().find(|&&d| format_suffix(d) == f))
             .map_or(Unit::Common, |&d| Unit::Format(d))
@@ -810,6 +811,10 @@ mod tests {
             assert_eq!(waits_at_entry(name), *waits, "kernel {name}: waits at its entry: {waits}");
         }
         let batch: Vec<&str> = found.iter().filter(|(_, w)| !w).map(|(n, _)| n.as_str()).collect();
-        assert_eq!(batch, ["mmg_", "mm_", "mmgq_", "mmq_", "mmgt_", "mmt_"], "the kernels launched after the one before ends");
+        assert_eq!(
+            batch,
+            ["mmg_", "mm_", "mmgq_", "mmq_", "mmgt_", "mmt_"],
+            "the kernels launched after the one before ends"
+        );
     }
 }

@@ -20,8 +20,10 @@
 //!   when the store is resident; with `--prefetch pilot` the next layer's predicted
 //!   experts are copied on a second stream beside the computation (misses the pilot
 //!   did not predict are still copied on the compute stream); CUDA graphs come next;
-//! - products on CUDA cores (a block of four warps per output row, eight input rows
-//!   per pass over the weights), not yet tensor cores.
+//! - a prompt's rows (8-bit activations) against K-quant weights on tensor cores (int8
+//!   `mma`, a block of 64 outputs by 32 rows); decode rows and other formats on CUDA
+//!   cores (a block of four warps per output row, eight input rows per pass over the
+//!   weights).
 
 mod backend;
 mod device;
