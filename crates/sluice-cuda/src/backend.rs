@@ -166,14 +166,15 @@ pub struct DevRouting {
 
 /// The grouped expert products' plan of a routing (kernels.cu's `plan_block`): the
 /// (row, slot)s routed to each expert, expert after expert, their step rows and
-/// experts, and the work items of up to `MM_ROWS` rows of one expert.
+/// experts, and the work items of up to `MM_ROWS` rows of one expert (and of `MT_ROWS`).
 struct ExpertPlan {
     slots: Scratch<u32>,
     rows: Scratch<u32>,
     expert_of: Scratch<u32>,
     work: Scratch<u32>,
     n_work: usize,
-    /// The same as `MT_ROWS` rows of one expert a tile, for the tensor-core products.
+    /// Work items of up to `MT_ROWS` rows of one expert (tiles), for the tensor-core
+    /// products.
     tiles: Scratch<u32>,
     n_tiles: usize,
 }
