@@ -49,8 +49,8 @@ elif [ -x devbin/gpu-tests ]; then
     echo "== tests of the integer products (SLUICE_CUDA_PRODUCTS=int)"
     SLUICE_CUDA_PRODUCTS=int devbin/gpu-tests --test-threads 1 --nocapture every_format quantized_moe fixtures_against \
         long_sequences vram_tier 2>&1 || status=1
-    echo "== tests of the tensor-core products (SLUICE_CUDA_PRODUCTS=tensor)"
-    SLUICE_CUDA_PRODUCTS=tensor devbin/gpu-tests --test-threads 1 --nocapture every_format products_together \
+    echo "== tests of the float products for every row (SLUICE_CUDA_PRODUCTS=float)"
+    SLUICE_CUDA_PRODUCTS=float devbin/gpu-tests --test-threads 1 --nocapture every_format products_together \
         quantized_moe vram_tier 2>&1 || status=1
 fi
 if [ -x devbin/sluice ] && [ -n "${GPU_BENCH:-}" ]; then
