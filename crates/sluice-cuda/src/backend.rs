@@ -545,7 +545,7 @@ impl Cuda {
     /// Whether products with weights of `dtype` multiply rows at `precision` as
     /// quantized activations (the integer and tensor-core products) rather than as f32.
     pub fn quantizes(&self, dtype: DType, precision: Precision) -> bool {
-        match self.with_precision(RowPrecision::All(precision)).path(dtype) {
+        match Path::of(self.products, &RowPrecision::All(precision), dtype) {
             Path::Integer | Path::Tensor => true,
             Path::Float | Path::FloatThenTensor => false,
         }
