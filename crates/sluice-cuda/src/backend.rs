@@ -304,6 +304,14 @@ const ATT_WARPS: usize = 4;
 const ATT_KERNELS: [(usize, &str); 3] = [(128, "attention_128"), (256, "attention_256"), (576, "attention_576")];
 const ATT_MAX_HEAD_DIM: usize = ATT_KERNELS[ATT_KERNELS.len() - 1].0;
 
+/// `attention_tile` (kernels.cu's `PT_Q`, `PT_MAX_HD`, `PT_THREADS`, `PT_SHARED`):
+/// query vectors a block, the widest head, threads, and its shared memory.
+const TILE_QUERIES: usize = 64;
+const TILE_MAX_HEAD_DIM: usize = 128;
+const TILE_THREADS: u32 = 256;
+pub(crate) const ATTENTION_TILE_SHARED: u32 =
+    ((TILE_QUERIES * (TILE_MAX_HEAD_DIM + 4) * 2 + 64 * (TILE_QUERIES + 1) + 3 * TILE_QUERIES) * 4) as u32;
+
 /// The attention kernel for heads of `hd` dimensions: the narrowest that takes them.
 fn attention_kernel(hd: usize) -> Result<&'static str> {
     match ATT_KERNELS.iter().find(|(width, _)| hd <= *width) {
@@ -320,6 +328,46 @@ fn attention_splits(len: usize) -> usize {
     const MAX_SPLITS: usize = 16;
     let run = len.div_ceil(MAX_SPLITS).div_ceil(64).max(1) * 64;
     len.div_ceil(run).max(1)
+}
+
+/// The rows `attention_tile` takes, as tiles of (first row, rows) of up to
+/// `TILE_QUERIES` query vectors: the rows at 8 bits of a sequence with several rows
+/// in the step (a prompt's chunk; a decode row keeps the split kernel, which
+/// spreads one row's positions over many blocks), in a layer with no window and no
+/// chosen positions whose heads the kernel takes. Each is a fact of the row and its
+/// own sequence, so a row takes the same kernel in any batch.
+fn prompt_tiles(op: &AttnOp<'_, Cuda>, precision: &RowPrecision) -> Vec<[u32; 2]> {
+    let s = op.spec;
+    let group = s.n_heads / s.n_kv_heads.max(1);
+    let fits = s.window.is_none()
+        && op.select.is_none()
+        && s.head_dim <= TILE_MAX_HEAD_DIM
+        && s.head_dim.is_multiple_of(4)
+        && s.n_kv_heads * group == s.n_heads
+        && (1..=TILE_QUERIES).contains(&group)
+        && crate::device::variant() != Some(60);
+    let mut tiles = Vec::new();
+    if !fits {
+        return tiles;
+    }
+    let fast = |row: usize| precision.of(row) == Precision::Fast;
+    for (r, cache) in op.batch.seqs.iter().zip(op.caches) {
+        if r.rows < 2 || cache.window.is_some() {
+            continue;
+        }
+        let mut i = 0;
+        while i < r.rows {
+            let mut n = 0;
+            while i + n < r.rows && n < TILE_QUERIES / group && fast(r.first + i + n) {
+                n += 1;
+            }
+            if n > 0 {
+                tiles.push([(r.first + i) as u32, n as u32]);
+            }
+            i += n.max(1);
+        }
+    }
+    tiles
 }
 
 /// See [`Cuda::constant`]: the constants by content, and the generation before.
@@ -1565,21 +1613,37 @@ impl Backend for Cuda {
         let ring: Vec<i32> = op.caches.iter().map(|c| c.window.unwrap_or(0) as i32).collect();
         let (kc, vc, ring, meta) =
             (self.constant(&kc)?, self.constant(&vc)?, self.constant(&ring)?, self.constant(&meta)?);
-        let kernel = attention_kernel(hd)?;
-        let part = self.dev.scratch::<f32>(rows * s.n_heads * splits * (hd + 2))?;
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: (s.n_heads as u32, rows as u32, splits as u32),
-            block_dim: (32 * ATT_WARPS as u32, 1, 1),
-            shared_mem_bytes: ((hd + ATT_WARPS * (hd + 2)) * 4) as u32,
-        };
-        let window = s.window.unwrap_or(0) as i32;
-        launch!(&self.dev, kernel, cfg;
-            self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), kc, vc, ring,
-            meta, chosen, s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
-            splits as i32, self.p(&part))?;
-        launch!(&self.dev, "attention_merge", grid((s.n_heads as u32, rows as u32), 128, 0);
-            self.p(&part), meta, op.sinks.map_or(0, |v| self.p(&v.dev)), s.n_heads as i32, hd as i32, window,
-            splits as i32, self.p(&out.buf))?;
+        let tiles = prompt_tiles(op, &self.precision);
+        let sinks = op.sinks.map_or(0, |v| self.p(&v.dev));
+        // Every row through the split kernel unless the tiles take them all; the tiles'
+        // rows are then written again, by their own kernel, after the merge.
+        if tiles.iter().map(|t| t[1] as usize).sum::<usize>() < rows {
+            let kernel = attention_kernel(hd)?;
+            let part = self.dev.scratch::<f32>(rows * s.n_heads * splits * (hd + 2))?;
+            let cfg = cudarc::driver::LaunchConfig {
+                grid_dim: (s.n_heads as u32, rows as u32, splits as u32),
+                block_dim: (32 * ATT_WARPS as u32, 1, 1),
+                shared_mem_bytes: ((hd + ATT_WARPS * (hd + 2)) * 4) as u32,
+            };
+            let window = s.window.unwrap_or(0) as i32;
+            launch!(&self.dev, kernel, cfg;
+                self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), kc, vc, ring,
+                meta, chosen, s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, window, 0.0f32,
+                splits as i32, self.p(&part))?;
+            launch!(&self.dev, "attention_merge", grid((s.n_heads as u32, rows as u32), 128, 0);
+                self.p(&part), meta, sinks, s.n_heads as i32, hd as i32, window, splits as i32, self.p(&out.buf))?;
+        }
+        if !tiles.is_empty() {
+            let list = self.dev.upload_scratch(tiles.as_flattened())?;
+            let cfg = cudarc::driver::LaunchConfig {
+                grid_dim: (s.n_kv_heads as u32, tiles.len() as u32, 1),
+                block_dim: (TILE_THREADS, 1, 1),
+                shared_mem_bytes: ATTENTION_TILE_SHARED,
+            };
+            launch!(&self.dev, "attention_tile", cfg;
+                self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), kc, vc, meta, self.p(&list),
+                s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, 0.0f32, sinks, self.p(&out.buf))?;
+        }
         Ok(out)
     }
 

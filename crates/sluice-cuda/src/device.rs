@@ -264,6 +264,13 @@ impl Device {
         let mut kernels = lock(&self.kernels);
         for name in kernel_names(unit) {
             let f = module.load_function(&name).map_err(|e| fail(&format!("kernel {name}"), e))?;
+            if let Some(bytes) = wide_shared(&name) {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(|e| fail(&format!("kernel {name}: {bytes} bytes of shared memory"), e))?;
+            }
             let launches = if waits_at_entry(&name) { self.launches } else { Launches::Serial };
             kernels.insert(name, (f, launches));
         }
@@ -703,9 +710,15 @@ pub(crate) fn variant() -> Option<u32> {
 /// Whether kernel `name` begins with kernels.cu's `grid_entry` (and so may be
 /// started while the one before it runs): all but the products of prompt and batch
 /// rows (`mm_`, `mmg_`, `mmq_`, `mmgq_`, `mmt_`, `mmgt_`), where the wait cost more
-/// than it gave.
+/// than it gave, and a prompt's attention (`attention_tile`), launched likewise.
 fn waits_at_entry(name: &str) -> bool {
-    !["mm_", "mmg_", "mmq_", "mmgq_", "mmt_", "mmgt_"].iter().any(|p| name.starts_with(p))
+    !["mm_", "mmg_", "mmq_", "mmgq_", "mmt_", "mmgt_", "attention_tile"].iter().any(|p| name.starts_with(p))
+}
+
+/// The dynamic shared memory kernel `name` takes where it is more than the 48 KiB a
+/// kernel may take without asking.
+fn wide_shared(name: &str) -> Option<u32> {
+    (name == "attention_tile").then_some(crate::backend::ATTENTION_TILE_SHARED)
 }
 
 /// Kernel names by weight format.
@@ -764,6 +777,7 @@ pub(crate) fn kernel_names(unit: Unit) -> Vec<String> {
             "attention_256",
             "attention_576",
             "attention_merge",
+            "attention_tile",
             "delta_conv",
             "delta_rule",
             "route_top_k",
@@ -813,7 +827,7 @@ mod tests {
         let batch: Vec<&str> = found.iter().filter(|(_, w)| !w).map(|(n, _)| n.as_str()).collect();
         assert_eq!(
             batch,
-            ["mmg_", "mm_", "mmgq_", "mmq_", "mmgt_", "mmt_"],
+            ["mmg_", "mm_", "mmgq_", "mmq_", "mmgt_", "mmt_", "attention_tile"],
             "the kernels launched after the one before ends"
         );
     }

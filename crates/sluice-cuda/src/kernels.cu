@@ -1537,6 +1537,212 @@ ATTENTION_ENTRY(attention_128, 4)
 ATTENTION_ENTRY(attention_256, 8)
 ATTENTION_ENTRY(attention_576, 18)
 
+// A prompt's rows, a kv head's query heads and a tile of a sequence's rows together
+// (rows at 8 bits that are one of several of their sequence in the step; backend.rs's
+// `tile_rows`): block (kv head, tile) holds the tile's PT_Q query vectors (rows x the
+// query heads sharing the kv head) in shared memory and takes the positions PT_T at a
+// time, keys and values read once for all of them rather than once a query head and
+// row (attention_128 read them per (head, row, 64 positions): 254 us a layer of a
+// 512-token prompt on an H100). No splits: the block goes through every position up
+// to its last row's, so it writes the output itself.
+//
+// A score is one thread's sum over the head's dimensions in order, a weight and a
+// query's running max and sum one group of four lanes', a value's sum one thread's
+// over the positions in order, each in passes of PT_T positions at multiples of PT_T:
+// none depends on which tile a row is in or where in it, and a query skips the
+// positions after its own (no pass it has no position in, no sum of a masked one), so
+// a row's bits are its own whatever rows share its tile. Heads of at most PT_MAX_HD
+// dimensions, a multiple of four; no window, no chosen positions (backend.rs checks).
+#define PT_Q 64
+#define PT_T 64
+#define PT_MAX_HD 128
+#define PT_THREADS 256
+#define PT_LD (PT_MAX_HD + 4)  // floats a query's or position's row in shared memory
+#define PT_PLD (PT_Q + 1)      // floats a position's scores (then weights), a query each
+// Dynamic shared memory: queries, keys (then values), scores, and each query's max,
+// sum and rescale (backend.rs's `TILE_SHARED`).
+#define PT_SHARED ((PT_Q * PT_LD + PT_T * PT_LD + PT_T * PT_PLD + 3 * PT_Q) * 4)
+#define TILE_BOUNDS __launch_bounds__(PT_THREADS)
+extern "C" __global__ void TILE_BOUNDS attention_tile(
+    const float* q, const float* k_new, const float* v_new, const unsigned long long* kc,
+    const unsigned long long* vc, const RowMeta* meta, const int2* tiles, int n_heads, int n_kv_heads, int hd,
+    float scale, float cap, const float* sinks, float* out) {
+    extern __shared__ float4 pt_smem[];
+    float* Qs = (float*)pt_smem;
+    float* KVs = Qs + PT_Q * PT_LD;
+    float* Ps = KVs + PT_T * PT_LD;
+    float* Ms = Ps + PT_T * PT_PLD;
+    float* Ls = Ms + PT_Q;
+    float* Cs = Ls + PT_Q;
+    const float NEG = __int_as_float(0xff800000);  // -inf
+    int kvh = blockIdx.x, tid = threadIdx.x;
+    // The tiles with the most positions first (they ascend in the list), so that the
+    // long ones do not start last.
+    int2 tile = tiles[gridDim.y - 1 - blockIdx.y];
+    int G = n_heads / n_kv_heads, nq = tile.y * G, hd4 = hd / 4, kv_dim = n_kv_heads * hd;
+    RowMeta m0 = meta[tile.x];
+    int last = m0.pos;
+    for (int r = 1; r < tile.y; r++) last = max(last, meta[tile.x + r].pos);
+    const float* kcache = (const float*)kc[m0.seq];
+    const float* vcache = (const float*)vc[m0.seq];
+    // The tile's queries (zeros past them), each query's max and sum.
+    for (int i = tid; i < PT_Q * hd4; i += PT_THREADS) {
+        int qi = i / hd4, d4 = i % hd4;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (qi < nq) {
+            long long head = (long long)(tile.x + qi / G) * n_heads + kvh * G + qi % G;
+            v = ((const float4*)(q + head * hd))[d4];
+        }
+        ((float4*)(Qs + qi * PT_LD))[d4] = v;
+    }
+    for (int i = tid; i < PT_Q; i += PT_THREADS) {
+        Ms[i] = NEG;
+        Ls[i] = 0.0f;
+    }
+    // Thread roles. Scores: queries tq + 16 i by positions tt + 16 j (strided, so that
+    // the eight lanes of a 16-byte shared load read eight rows on distinct banks).
+    // Weights: query tid / 4, positions (tid % 4) * 16 on. Values: queries tq + 16 i by
+    // dimensions 4 td + 64 h.
+    int tq = tid / 16, tt = tid % 16;
+    int pos[4];  // the position of query tq + 16 i's row (-1: no query)
+#pragma unroll
+    for (int i = 0; i < 4; i++) pos[i] = tq + 16 * i < nq ? meta[tile.x + (tq + 16 * i) / G].pos : -1;
+    int wq = tid / 4, wpart = tid % 4;
+    int wpos = wq < nq ? meta[tile.x + wq / G].pos : -1;
+    float acc[4][8];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[i][e] = 0.0f;
+    // The row of position t's key or value: the cache's before the chunk, the chunk's
+    // own rows after.
+    auto kv_row = [&](const float* cache, const float* fresh, int t) {
+        return (t < m0.start ? cache + (long long)t * kv_dim : fresh + (long long)(m0.first + t - m0.start) * kv_dim) +
+               kvh * hd;
+    };
+    for (int t0 = 0; t0 <= last; t0 += PT_T) {
+        __syncthreads();  // the last pass's values and weights are read
+        for (int i = tid; i < PT_T * hd4; i += PT_THREADS) {
+            int t = i / hd4, d4 = i % hd4;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (t0 + t <= last) v = ((const float4*)kv_row(kcache, k_new, t0 + t))[d4];
+            ((float4*)(KVs + t * PT_LD))[d4] = v;
+        }
+        __syncthreads();
+        float s[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) s[i][j] = 0.0f;
+        for (int d4 = 0; d4 < hd4; d4++) {
+            float4 a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) a[i] = ((const float4*)(Qs + (tq + 16 * i) * PT_LD))[d4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) b[j] = ((const float4*)(KVs + (tt + 16 * j) * PT_LD))[d4];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    float x = __fmaf_rn(a[i].x, b[j].x, s[i][j]);
+                    x = __fmaf_rn(a[i].y, b[j].y, x);
+                    x = __fmaf_rn(a[i].z, b[j].z, x);
+                    s[i][j] = __fmaf_rn(a[i].w, b[j].w, x);
+                }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int t = tt + 16 * j;
+                float x = __fmul_rn(s[i][j], scale);
+                if (cap > 0.0f) x = tanhf(x / cap) * cap;
+                Ps[t * PT_PLD + tq + 16 * i] = t0 + t <= pos[i] ? x : NEG;
+            }
+        __syncthreads();  // the scores are written and the keys read
+        // The values, into the keys' place, while the weights are made.
+        for (int i = tid; i < PT_T * hd4; i += PT_THREADS) {
+            int t = i / hd4, d4 = i % hd4;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (t0 + t <= last) v = ((const float4*)kv_row(vcache, v_new, t0 + t))[d4];
+            ((float4*)(KVs + t * PT_LD))[d4] = v;
+        }
+        // Weights: a query's running max over this pass, the rescale of what it has
+        // summed so far, exp(score - max), and their sum (the four lanes' runs of 16,
+        // joined by one butterfly, the same in each lane). Every lane takes part in the
+        // shuffles; a query with no position in the pass (or none) writes nothing.
+        {
+            bool live = wpos >= t0;
+            float tm = NEG;
+            for (int t = wpart * 16; t < wpart * 16 + 16; t++) tm = fmaxf(tm, Ps[t * PT_PLD + wq]);
+            tm = fmaxf(tm, __shfl_xor_sync(0xffffffff, tm, 1));
+            tm = fmaxf(tm, __shfl_xor_sync(0xffffffff, tm, 2));
+            float mx = Ms[wq], mn = fmaxf(mx, tm);
+            float sum = 0.0f;
+            for (int t = wpart * 16; t < wpart * 16 + 16; t++) {
+                float x = Ps[t * PT_PLD + wq];
+                float p = x == NEG ? 0.0f : expf(x - mn);
+                if (live) Ps[t * PT_PLD + wq] = p;
+                sum += p;
+            }
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            if (live && wpart == 0) {
+                float c = expf(mx - mn);  // 0 at a query's first pass (mx -inf, mn finite)
+                Ms[wq] = mn;
+                Ls[wq] = __fmaf_rn(Ls[wq], c, sum);
+                Cs[wq] = c;
+            }
+        }
+        __syncthreads();  // weights and values written
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if (pos[i] < t0) continue;
+            float c = Cs[tq + 16 * i];
+            int n = min(PT_T, pos[i] - t0 + 1);  // the query's positions in the pass
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[i][e] = __fmul_rn(acc[i][e], c);
+            for (int t = 0; t < n; t++) {
+                float p = Ps[t * PT_PLD + tq + 16 * i];
+                float4 v0 = ((const float4*)(KVs + t * PT_LD))[tt];
+                float4 v1 = ((const float4*)(KVs + t * PT_LD))[tt + 16];
+                acc[i][0] = __fmaf_rn(p, v0.x, acc[i][0]);
+                acc[i][1] = __fmaf_rn(p, v0.y, acc[i][1]);
+                acc[i][2] = __fmaf_rn(p, v0.z, acc[i][2]);
+                acc[i][3] = __fmaf_rn(p, v0.w, acc[i][3]);
+                acc[i][4] = __fmaf_rn(p, v1.x, acc[i][4]);
+                acc[i][5] = __fmaf_rn(p, v1.y, acc[i][5]);
+                acc[i][6] = __fmaf_rn(p, v1.z, acc[i][6]);
+                acc[i][7] = __fmaf_rn(p, v1.w, acc[i][7]);
+            }
+        }
+    }
+    __syncthreads();
+    // Out: each query's sums over its softmax's denominator (with the head's sink,
+    // where the model has them), as attention_merge joins a row's splits.
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int qi = tq + 16 * i;
+        if (qi >= nq) continue;
+        int head = kvh * G + qi % G;
+        float mx = Ms[qi], M = mx;
+        float sink = sinks ? sinks[head] : 0.0f;
+        if (sinks) M = fmaxf(M, sink);
+        float L = sinks ? expf(sink - M) : 0.0f;
+        float f = expf(mx - M);
+        L += Ls[qi] * f;
+        float inv = 1.0f / L;
+        float* o = out + ((long long)(tile.x + qi / G) * n_heads + head) * hd;
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int d = 4 * (tt + 16 * h) + e;
+                if (d < hd) o[d] = acc[i][4 * h + e] * f * inv;
+            }
+    }
+}
+
 // out[row, head] = the join of the row's attention partials, in split order. Grid
 // (heads, rows), block 128. `sinks` (may be null): one logit per head that joins the
 // softmax's denominator without a value (gpt-oss).
@@ -1740,19 +1946,23 @@ extern "C" __global__ void route_top_k(const float* logits, int rows, int e, int
 // routed to each expert, expert after expert (slots in order within one), as
 // `slots` and their rows; `expert_of` each compact row's expert; work items of up to
 // MM_ROWS compact rows of one expert, the `n_work` items padded with empty ones, and
-// likewise `tiles` of up to MT_ROWS for the tensor-core products. One block; a thread
-// per expert (looping if there are more experts than threads).
+// likewise `tiles` of up to MT_ROWS for the tensor-core products. One block.
+//
+// The counts come from shared-memory atomics (a count does not depend on their
+// order); the placing is by warps, each owning a run of experts and reading the ids 32
+// at a time: a lane whose id is its warp's puts it after the lanes before it with the
+// same id (`__match_any_sync`), so each expert's slots stay in order. (A thread per
+// expert reading all the ids, twice, took 366 us of a 512-token prompt's layer.)
 __device__ void plan_block(const u32* ids, int j, int k, int e, u32* slots, u32* rows, u32* expert_of, Work* work,
                            int n_work, Work* tiles, int n_tiles) {
-    extern __shared__ int count[];  // e counts, e starts, e first work items, e first tiles
+    extern __shared__ int count[];  // e counts, e starts, e first work items (then cursors), e first tiles
     int* start = count + e;
     int* first = start + e;
     int* first_tile = first + e;
-    for (int x = threadIdx.x; x < e; x += blockDim.x) {
-        int c = 0;
-        for (int s = 0; s < j; s++) c += ids[s] == (u32)x;
-        count[x] = c;
-    }
+    for (int x = threadIdx.x; x < e; x += blockDim.x) count[x] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < j; s += blockDim.x)
+        if (ids[s] < (u32)e) atomicAdd(&count[ids[s]], 1);
     __syncthreads();
     // Where each expert's rows and work items start: the prefix sums over the experts,
     // by the first warp (each lane a run of experts, then a scan across the lanes).
@@ -1779,15 +1989,6 @@ __device__ void plan_block(const u32* ids, int j, int k, int e, u32* slots, u32*
     }
     __syncthreads();
     for (int x = threadIdx.x; x < e; x += blockDim.x) {
-        int at = start[x];
-        for (int s = 0; s < j; s++) {
-            if (ids[s] == (u32)x) {
-                slots[at] = s;
-                rows[at] = s / k;
-                expert_of[at] = x;
-                at++;
-            }
-        }
         for (int i = 0; i * MM_ROWS < count[x]; i++) {
             Work it;
             it.expert = x;
@@ -1801,9 +2002,42 @@ __device__ void plan_block(const u32* ids, int j, int k, int e, u32* slots, u32*
     }
     __syncthreads();
     int used = first[e - 1] + (count[e - 1] + MM_ROWS - 1) / MM_ROWS;
+    int used_tiles = first_tile[e - 1] + (count[e - 1] + MT_ROWS - 1) / MT_ROWS;
     for (int i = used + threadIdx.x; i < n_work; i += blockDim.x) work[i] = Work{0, 0, 0, 0};
-    used = first_tile[e - 1] + (count[e - 1] + MT_ROWS - 1) / MT_ROWS;
-    for (int i = used + threadIdx.x; i < n_tiles; i += blockDim.x) tiles[i] = Work{0, 0, 0, 0};
+    for (int i = used_tiles + threadIdx.x; i < n_tiles; i += blockDim.x) tiles[i] = Work{0, 0, 0, 0};
+    __syncthreads();  // every thread has read `first`: it becomes each expert's cursor
+    int* cursor = first;
+    for (int x = threadIdx.x; x < e; x += blockDim.x) cursor[x] = start[x];
+    __syncthreads();
+    int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int per = (e + warps - 1) / warps, x0 = warp * per, x1 = min(e, x0 + per);
+    unsigned before = (1u << lane) - 1;
+    // PLAN_AHEAD runs of 32 ids loaded before the first is placed.
+    const int PLAN_AHEAD = 4;
+    for (int s0 = 0; s0 < j && x0 < x1; s0 += 32 * PLAN_AHEAD) {
+        u32 got[PLAN_AHEAD];
+#pragma unroll
+        for (int r = 0; r < PLAN_AHEAD; r++) {
+            int s = s0 + 32 * r + lane;
+            got[r] = s < j ? ids[s] : 0xffffffffu;
+        }
+#pragma unroll
+        for (int r = 0; r < PLAN_AHEAD; r++) {
+            int s = s0 + 32 * r + lane;
+            u32 id = got[r];
+            bool mine = id >= (u32)x0 && id < (u32)x1;
+            unsigned same = __match_any_sync(0xffffffff, id);
+            if (mine) {
+                int at = cursor[id] + __popc(same & before);
+                slots[at] = s;
+                rows[at] = s / k;
+                expert_of[at] = id;
+            }
+            __syncwarp();
+            if (mine && (same & before) == 0) cursor[id] += __popc(same);
+            __syncwarp();
+        }
+    }
 }
 extern "C" __global__ void plan_experts(const u32* ids, int j, int k, int e, u32* slots, u32* rows, u32* expert_of,
                                         Work* work, int n_work, Work* tiles, int n_tiles) {

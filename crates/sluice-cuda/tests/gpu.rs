@@ -720,6 +720,28 @@ fn long_sequences_against_the_cpu() {
     }
 }
 
+/// A prompt fed in two chunks gives the last row's bits of the prompt fed at once: the
+/// second chunk's rows read the first chunk's keys from the cache rather than from the
+/// step, and fall in other tiles of a prompt's attention (`attention_tile`) and of the
+/// products, none of which may change a row's sums. gpt-oss: sinks and windowed layers
+/// beside full ones.
+#[test]
+fn a_prompt_in_chunks_gives_the_bits_of_it_at_once() {
+    let Some(be) = gpu() else { return };
+    for name in ["qwen3", "qwen3-moe", "gpt-oss/gpt-oss.gguf"] {
+        let model = Model::load(be.clone(), &Checkpoint::open(&fixtures().join(name)).unwrap()).unwrap();
+        let tokens: Vec<u32> = (0..200u32).map(|i| (i * 37 + 11) % 512).collect();
+        let whole = model.session().unwrap().forward(&tokens, Logits::Last).unwrap();
+        for cut in [77, 128, 190] {
+            let mut s = model.session().unwrap();
+            s.forward(&tokens[..cut], Logits::Last).unwrap();
+            let chunked = s.forward(&tokens[cut..], Logits::Last).unwrap();
+            eprintln!("{name}: chunks of {cut} and {}: {:.2e} of the largest", 200 - cut, rel_err(&chunked, &whole));
+            assert!(chunked == whole, "{name}: the prompt in chunks of {cut} and {} differs from it at once", 200 - cut);
+        }
+    }
+}
+
 /// A state's first positions copied on the device (`Backend::kv_prefix`, what the
 /// server starts a prompt from when it shares a beginning with a kept sequence) continue
 /// as a state fed only that far; a ring that has gone past them gives none.
