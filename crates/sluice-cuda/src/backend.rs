@@ -744,14 +744,16 @@ impl Cuda {
                     many, cols, input, rows, ro as i32)?;
                 n
             } else {
-                1
+                Many::of(MT_OUT, ws[i..].iter().zip(&ys[i..]).map(|(m, y)| (m.ptr, self.p(&y.buf), *m))).1
             };
-            if path.tensor() {
+            // The tensor cores over the same matrices, those of a format together.
+            let mut k = i;
+            while path.tensor() && k < i + n {
+                let (many, m) =
+                    Many::of(MT_OUT, ws[k..i + n].iter().zip(&ys[k..i + n]).map(|(m, y)| (m.ptr, self.p(&y.buf), *m)));
                 let tiles = x.rows.div_ceil(MT_ROWS) as u32;
-                for (w, y) in ws[i..i + n].iter().zip(&ys[i..i + n]) {
-                    launch!(&self.dev, &format!("mmt_{suffix}"), grid((w.rows.div_ceil(MT_OUT) as u32, tiles), MT_THREADS, 0);
-                        w.ptr, w.row_bytes as i64, w.rows as i32, qin()?, self.p(&y.buf))?;
-                }
+                launch!(&self.dev, &format!("mmt_{suffix}"), grid((many.blocks(), tiles), MT_THREADS, 0); many, qin()?)?;
+                k += m;
             }
             i += n;
         }

@@ -799,26 +799,94 @@ __device__ __forceinline__ u32 q6_signed(u32 q) {
     return (q ^ 0x20202020) | (low << 1) | (low << 2);
 }
 
-// The lane's part of a tile of input rows: the row whose codes it gives to mma's B
-// (8 * group + g) and the two whose sums it holds (8 * group + 2t, + 1), each as its
-// index in `in` (rows past the tile's n repeat its last).
+// Copies to shared memory that do not hold the thread (sm_80's cp.async): 16 bytes
+// (global, around L1) or 8, a group of them committed, and a wait for all but the last
+// `N` groups committed.
+__device__ __forceinline__ void cp_async16(void* smem, const void* g) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(smem)), "l"(g)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async8(void* smem, const void* g) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((unsigned)__cvta_generic_to_shared(smem)), "l"(g)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// A block's tile of input rows, a super-block (256 columns) at a time, in shared
+// memory: every warp reads all the tile's rows (each computes 16 outputs over the whole
+// row), so the block loads them once, the next super-block's copies in flight while
+// this one's are used. Rows of MT_XLD bytes: 256 codes and 16 of padding, so the eight
+// rows a warp's lanes read in one load fall on distinct banks. (Each lane loading its
+// inputs' codes and block scales from global memory at every mma: a 512-token
+// prompt's products waited on those loads 77% of the time on an H100.)
+#define MT_XLD 272
+struct MtStage {
+    u8 x[2][MT_ROWS * MT_XLD];
+    float d[2][MT_ROWS * 8], sx[2][MT_ROWS * 8];
+};
+
+// The lane's part of the tile: the row whose codes it gives to mma's B (8 * group + g)
+// and the two whose sums it holds (8 * group + 2t, + 1), as rows of the tile (rows
+// past its n repeat its last).
 struct MtRows {
-    const i8* b[MT_GROUPS];
+    int b[MT_GROUPS];
     int c[MT_GROUPS][2];
 };
 
+// The thread's share of loading a super-block of the tile: four runs of 16 codes and
+// two of the rows' block scales and sums (rows past n are not loaded, nor read).
+struct MtLoads {
+    const i8* x[4];
+    const float* d;
+    const float* sx;
+};
+
+// Starts the copies of super-block sb of the tile into buffer `buf`, as a group.
+__device__ __forceinline__ void mt_stage(MtStage& st, const MtLoads& l, int sb, int buf) {
+    int tid = threadIdx.x;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        int c = tid + 128 * q;
+        if (l.x[q]) cp_async16(&st.x[buf][(c >> 4) * MT_XLD + 16 * (c & 15)], l.x[q] + 256 * sb + 16 * (c & 15));
+    }
+    if (l.d) {
+        int at = (tid >> 2) * 8 + 2 * (tid & 3);
+        cp_async8(&st.d[buf][at], l.d + 8 * sb + 2 * (tid & 3));
+        cp_async8(&st.sx[buf][at], l.sx + 8 * sb + 2 * (tid & 3));
+    }
+    cp_async_commit();
+}
+
 // acc[grp][i] += the sub-block's sums scaled: c[i] of weight row a (i < 2) or b, input
-// row c[grp][i & 1]; `f` the weight rows' scales, `m` their mins' (Q4_K/Q5_K; zero
-// for Q6_K), block `blk` of the inputs.
+// row c[grp][i & 1] of the tile; `f` the weight rows' scales, `m` their mins'
+// (Q4_K/Q5_K; zero for Q6_K), block `blk` of the super-block, from buffer `buf`.
 __device__ __forceinline__ void mt_scale(float* acc, const int* c, float fa, float fb, float ma, float mb,
-                                         const int* rc, const QIn& in, int blk) {
-    int blocks = in.cols >> 5;
-    float d0 = in.d[(long long)rc[0] * blocks + blk], d1 = in.d[(long long)rc[1] * blocks + blk];
-    float s0 = in.sx[(long long)rc[0] * blocks + blk], s1 = in.sx[(long long)rc[1] * blocks + blk];
+                                         const int* rc, const MtStage& st, int buf, int blk) {
+    float d0 = st.d[buf][rc[0] * 8 + blk], d1 = st.d[buf][rc[1] * 8 + blk];
+    float s0 = st.sx[buf][rc[0] * 8 + blk], s1 = st.sx[buf][rc[1] * 8 + blk];
     acc[0] = __fmaf_rn(-ma, s0, __fmaf_rn((float)c[0], __fmul_rn(fa, d0), acc[0]));
     acc[1] = __fmaf_rn(-ma, s1, __fmaf_rn((float)c[1], __fmul_rn(fa, d1), acc[1]));
     acc[2] = __fmaf_rn(-mb, s0, __fmaf_rn((float)c[2], __fmul_rn(fb, d0), acc[2]));
     acc[3] = __fmaf_rn(-mb, s1, __fmaf_rn((float)c[3], __fmul_rn(fb, d1), acc[3]));
+}
+
+// Four bytes of tile row `row`'s codes at byte `at` of the super-block in buffer `buf`.
+__device__ __forceinline__ u32 mt_x(const MtStage& st, int buf, int row, int at) {
+    return *(const u32*)&st.x[buf][row * MT_XLD + at];
 }
 
 // The warp's 16 outputs (weight rows wa: g, wb: g + 8 of them, for lane g = lane / 4)
@@ -826,10 +894,20 @@ __device__ __forceinline__ void mt_scale(float* acc, const int* c, float fa, flo
 // (mma's C: outputs g, g, g + 8, g + 8 of input rows 2t, 2t + 1, 2t, 2t + 1).
 template <int F>
 __device__ __forceinline__ void mt_loop(const u8* wa, const u8* wb, const MtRows& r, int groups, const QIn& in,
-                                        float (*acc)[4]) {
+                                        MtStage& st, const MtLoads& loads, float (*acc)[4]) {
     int t = threadIdx.x & 3;
-    int cols = in.cols;
-    for (int sb = 0; sb < cols >> 8; sb++) {
+    int n_sb = in.cols >> 8;
+    mt_stage(st, loads, 0, 0);
+    for (int sb = 0; sb < n_sb; sb++) {
+        int buf = sb & 1;
+        // The next super-block's copies go out before this one's are waited for; the
+        // buffer they fill was last read before the previous iteration's barrier.
+        if (sb + 1 < n_sb)
+            mt_stage(st, loads, sb + 1, buf ^ 1);
+        else
+            cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
         if (F == F_Q4K || F == F_Q5K) {
             const int bytes = F == F_Q4K ? 144 : 176, qs = F == F_Q4K ? 16 : 48;
             const u8* ba = wa + bytes * sb;
@@ -856,14 +934,13 @@ __device__ __forceinline__ void mt_loop(const u8* wa, const u8* wb, const MtRows
                     k_scale_min(bb + 4, j, &scb, &mnb);
                     float fa = h2f_lo(dma) * (float)sca, ma = h2f_hi(dma) * (float)mna;
                     float fb = h2f_lo(dmb) * (float)scb, mb = h2f_hi(dmb) * (float)mnb;
-                    int e = 256 * sb + 32 * j;
 #pragma unroll
                     for (int grp = 0; grp < MT_GROUPS; grp++) {
                         if (grp >= groups) break;
                         int c[4] = {0, 0, 0, 0};
-                        mma_k32(c, a0, a1, a2, a3, ld32((const u8*)r.b[grp] + e + 4 * t),
-                                ld32((const u8*)r.b[grp] + e + 16 + 4 * t));
-                        mt_scale(acc[grp], c, fa, fb, ma, mb, r.c[grp], in, e >> 5);
+                        mma_k32(c, a0, a1, a2, a3, mt_x(st, buf, r.b[grp], 32 * j + 4 * t),
+                                mt_x(st, buf, r.b[grp], 32 * j + 16 + 4 * t));
+                        mt_scale(acc[grp], c, fa, fb, ma, mb, r.c[grp], st, buf, j);
                     }
                 }
             }
@@ -892,21 +969,22 @@ __device__ __forceinline__ void mt_loop(const u8* wa, const u8* wb, const MtRows
                         int g16 = 8 * hh + 2 * strip;
                         int sa0 = ((const i8*)ba)[192 + g16], sa1 = ((const i8*)ba)[193 + g16];
                         int sb0 = ((const i8*)bb)[192 + g16], sb1 = ((const i8*)bb)[193 + g16];
-                        int e = 256 * sb + 128 * hh + 32 * strip;
+                        int e = 128 * hh + 32 * strip;  // within the super-block
 #pragma unroll
                         for (int grp = 0; grp < MT_GROUPS; grp++) {
                             if (grp >= groups) break;
                             int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
-                            mma_k16(lo, a0, a1, ld32((const u8*)r.b[grp] + e + 4 * t));
-                            mma_k16(hi, a2, a3, ld32((const u8*)r.b[grp] + e + 16 + 4 * t));
+                            mma_k16(lo, a0, a1, mt_x(st, buf, r.b[grp], e + 4 * t));
+                            mma_k16(hi, a2, a3, mt_x(st, buf, r.b[grp], e + 16 + 4 * t));
                             int c[4] = {lo[0] * sa0 + hi[0] * sa1, lo[1] * sa0 + hi[1] * sa1,
                                         lo[2] * sb0 + hi[2] * sb1, lo[3] * sb0 + hi[3] * sb1};
-                            mt_scale(acc[grp], c, da, db, 0.0f, 0.0f, r.c[grp], in, e >> 5);
+                            mt_scale(acc[grp], c, da, db, 0.0f, 0.0f, r.c[grp], st, buf, e >> 5);
                         }
                     }
                 }
             }
         }
+        __syncthreads();  // the buffer is read before the next iteration's copies fill it again
     }
 }
 
@@ -915,6 +993,7 @@ __device__ __forceinline__ void mt_loop(const u8* wa, const u8* wb, const MtRows
 template <int F, class X, class Y>
 __device__ __forceinline__ void mt_block(const u8* w, long long row_bytes, int out, int o0, int n, X xrow,
                                          const QIn& in, Y store) {
+    __shared__ __align__(16) MtStage st;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     int oa = o0 + 16 * warp + g, ob = oa + 8;
     const u8* wa = w + (long long)min(oa, out - 1) * row_bytes;
@@ -922,33 +1001,45 @@ __device__ __forceinline__ void mt_block(const u8* w, long long row_bytes, int o
     MtRows r;
 #pragma unroll
     for (int grp = 0; grp < MT_GROUPS; grp++) {
-        r.b[grp] = in.q + xrow(min(8 * grp + g, n - 1)) * in.cols;
-        r.c[grp][0] = (int)xrow(min(8 * grp + 2 * t, n - 1));
-        r.c[grp][1] = (int)xrow(min(8 * grp + 2 * t + 1, n - 1));
+        r.b[grp] = min(8 * grp + g, n - 1);
+        r.c[grp][0] = min(8 * grp + 2 * t, n - 1);
+        r.c[grp][1] = min(8 * grp + 2 * t + 1, n - 1);
     }
+    MtLoads loads;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        int row = (threadIdx.x + 128 * q) >> 4;
+        loads.x[q] = row < n ? in.q + xrow(row) * in.cols : nullptr;
+    }
+    int blocks = in.cols >> 5, row = threadIdx.x >> 2;
+    loads.d = row < n ? in.d + xrow(row) * blocks : nullptr;
+    loads.sx = row < n ? in.sx + xrow(row) * blocks : nullptr;
     float acc[MT_GROUPS][4];
 #pragma unroll
     for (int grp = 0; grp < MT_GROUPS; grp++)
         for (int i = 0; i < 4; i++) acc[grp][i] = 0.0f;
     int groups = (n + 7) >> 3;
-    mt_loop<F>(wa, wb, r, groups, in, acc);
+    mt_loop<F>(wa, wb, r, groups, in, st, loads, acc);
 #pragma unroll
     for (int grp = 0; grp < MT_GROUPS; grp++) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             int row = 8 * grp + 2 * t + (i & 1), o = i < 2 ? oa : ob;
-            if (row < n && o < out && in.wide[r.c[grp][i & 1]] == 0) store(o, row, acc[grp][i]);
+            if (row < n && o < out && in.wide[xrow(row)] == 0) store(o, row, acc[grp][i]);
         }
     }
 }
 
-// y[r, o] = x[r, :] · W[o, :] for the rows at 8 bits. Grid (ceil(out / MT_OUT),
-// ceil(n / MT_ROWS)), block 32 * MT_WARPS.
+// y[r, o] = x[r, :] · W[o, :] for the rows at 8 bits, for each matrix of `m` (q, k
+// and v in one launch: k's and v's few blocks alone left most of the GPU idle). Grid
+// (m.end[last], ceil(n / MT_ROWS)), a matrix's blocks ceil(out / MT_OUT); block 32 *
+// MT_WARPS.
 template <int F>
-__device__ void mmt(const u8* w, long long row_bytes, int out, QIn in, float* y) {
+__device__ void mmt(const Many& m, QIn in) {
+    ManyPick p = many_pick(m, MT_OUT);
     int r0 = blockIdx.y * MT_ROWS;
-    mt_block<F>(w, row_bytes, out, blockIdx.x * MT_OUT, min(MT_ROWS, in.n - r0), DenseRow{r0}, in,
-                DenseY{y, out, 0, r0});
+    mt_block<F>((const u8*)p.w, p.row_bytes, p.out, p.o, min(MT_ROWS, in.n - r0), DenseRow{r0}, in,
+                DenseY{(float*)p.y, p.out, 0, r0});
 }
 
 // mm_grouped for the rows at 8 bits, over tiles (`Work` items of up to MT_ROWS
@@ -1046,9 +1137,8 @@ extern "C" __global__ void TENSOR_BOUNDS CAT(mmgt_, SLUICE_FORMAT_NAME)(const un
                                                                        const u32* yrow) {
     mmt_grouped<SLUICE_FORMAT>(ws, row_bytes, out, in, xrow, tiles, y, yrow);
 }
-extern "C" __global__ void TENSOR_BOUNDS CAT(mmt_, SLUICE_FORMAT_NAME)(const u8* w, long long row_bytes, int out,
-                                                                      QIn in, float* y) {
-    mmt<SLUICE_FORMAT>(w, row_bytes, out, in, y);
+extern "C" __global__ void TENSOR_BOUNDS CAT(mmt_, SLUICE_FORMAT_NAME)(Many m, QIn in) {
+    mmt<SLUICE_FORMAT>(m, in);
 }
 #endif
 #else
