@@ -737,7 +737,11 @@ fn a_prompt_in_chunks_gives_the_bits_of_it_at_once() {
             s.forward(&tokens[..cut], Logits::Last).unwrap();
             let chunked = s.forward(&tokens[cut..], Logits::Last).unwrap();
             eprintln!("{name}: chunks of {cut} and {}: {:.2e} of the largest", 200 - cut, rel_err(&chunked, &whole));
-            assert!(chunked == whole, "{name}: the prompt in chunks of {cut} and {} differs from it at once", 200 - cut);
+            assert!(
+                chunked == whole,
+                "{name}: the prompt in chunks of {cut} and {} differs from it at once",
+                200 - cut
+            );
         }
     }
 }

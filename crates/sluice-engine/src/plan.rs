@@ -398,7 +398,7 @@ impl Machine {
         };
         let mut attention = Vec::new();
         for a in &profile.attention {
-            attention.push(attention_time(&decode_be, spec, a, kv)?);
+            attention.push(attention_time((&decode_be, &prefill_be), precision, spec, a, kv)?);
         }
         let disk_bytes_per_s = match disk {
             Some(layout) => {
@@ -459,10 +459,12 @@ fn best_time(min: Duration, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(best)
 }
 
-/// Waits for the backend's work on `x` (a device's queue) by reading it back.
+/// Waits for the backend's work on `x` (a device's queue) by reading back its first
+/// column: reading all of a prompt's rows back would time the copy rather than the
+/// kernels (a q product's 128 rows, 2 MB, were half of its 613 us on an H100).
 fn wait<B: Backend>(be: &B, x: Option<B::Act>) -> Result<()> {
     if let Some(x) = x {
-        be.to_host_owned(x)?;
+        be.to_host_owned(be.columns(&x, 0, 1)?)?;
     }
     Ok(())
 }
@@ -523,16 +525,34 @@ fn experts_time<B: Backend>((decode, prefill): (&B, &B), ckpt: &Checkpoint, m: &
 }
 
 /// Seconds of a product of `p`'s shape over `n` rows (the weights in cache: a prompt
-/// is bound by arithmetic).
+/// is bound by arithmetic), several to a wait (a device's round trip is tens of us).
 fn prefill_time<B: Backend>(be: &B, p: &Product, n: usize) -> Result<f64> {
+    const RUNS: usize = 4;
     let w = be.mat(&test_matrices(p.dtype, p.rows, p.cols, 1)?[0])?;
     let x = be.upload(n, p.cols, &vec![0.5f32; n * p.cols])?;
-    best_time(Duration::from_millis(60), || wait(be, Some(be.matmul(&x, &w)?)))
+    let t = best_time(Duration::from_millis(60), || {
+        let mut last = None;
+        for _ in 0..RUNS {
+            last = Some(be.matmul(&x, &w)?);
+        }
+        wait(be, last)
+    })?;
+    Ok(t / RUNS as f64)
 }
 
 /// Seconds of one layer's attention of geometry `a` (a layer of `spec` that has it),
-/// for a decode row after [`PROMPT`] positions and for a prompt of them.
-fn attention_time<B: Backend>(be: &B, spec: &ModelSpec, a: &AttnShape, kv: KvFormat) -> Result<AttnTime> {
+/// for a decode row after [`PROMPT`] positions on `decode` and for a prompt of them
+/// on `prefill` (a device's kernel for a prompt's rows may not be its decode rows').
+/// Several runs to a wait, whose round trip a device's one attention would not show.
+fn attention_time<B: Backend>(
+    (decode, prefill): (&B, &B),
+    precision: Precisions,
+    spec: &ModelSpec,
+    a: &AttnShape,
+    kv: KvFormat,
+) -> Result<AttnTime> {
+    const RUNS: usize = 8;
+    let be = decode;
     let layer = spec
         .layers
         .iter()
@@ -545,14 +565,24 @@ fn attention_time<B: Backend>(be: &B, spec: &ModelSpec, a: &AttnShape, kv: KvFor
     let mut held = be.kv_new(&layout)?;
     be.kv_append(&mut held, &rows(PROMPT, kd)?, &rows(PROMPT, kd)?, SeqRows { first: 0, rows: PROMPT, start: 0 })?;
     let empty = be.kv_new(&layout)?;
-    let time = |n: usize, start: usize, cache: &B::Kv| -> Result<f64> {
+    let time = |be: &B, p: Precision, n: usize, start: usize, cache: &B::Kv| -> Result<f64> {
         let (q, k) = (rows(n, qd)?, rows(n, kd)?);
-        let batch = Batch::new(&[(start, n, Precision::Accurate)]);
+        let batch = Batch::new(&[(start, n, p)]);
         let op =
             AttnOp { spec: layer, q: &q, k: &k, v: &k, batch: &batch, caches: &[cache], sinks: None, select: None };
-        best_time(Duration::from_millis(30), || wait(be, Some(be.attention(&op)?)))
+        let t = best_time(Duration::from_millis(30), || {
+            let mut last = None;
+            for _ in 0..RUNS {
+                last = Some(be.attention(&op)?);
+            }
+            wait(be, last)
+        })?;
+        Ok(t / RUNS as f64)
     };
-    Ok(AttnTime { decode_s: time(1, PROMPT, &held)?, prefill_s: time(PROMPT, 0, &empty)? })
+    Ok(AttnTime {
+        decode_s: time(decode, precision.decode, 1, PROMPT, &held)?,
+        prefill_s: time(prefill, precision.prefill, PROMPT, 0, &empty)?,
+    })
 }
 
 /// Seconds of one sum of two rows of `width`, over a run of them.
