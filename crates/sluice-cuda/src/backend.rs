@@ -342,7 +342,7 @@ fn prompt_tiles(op: &AttnOp<'_, Cuda>, precision: &RowPrecision) -> Vec<[u32; 2]
     let fits = s.window.is_none()
         && op.select.is_none()
         && s.head_dim <= TILE_MAX_HEAD_DIM
-        && s.head_dim.is_multiple_of(4)
+        && s.head_dim % 4 == 0
         && s.n_kv_heads * group == s.n_heads
         && (1..=TILE_QUERIES).contains(&group);
     let mut tiles = Vec::new();
