@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::CudaSlice;
 use sluice_core::{
-    Activation, DType, Error, Glu, HeadOrder, KvFormat, KvLayout, Precision, Result, RopeSpec, RopeStyle, RouterKind,
+    Activation, AttentionSpec, DType, Error, Glu, HeadOrder, KvFormat, KvLayout, Precision, Result, RopeSpec,
+    RopeStyle, RouterKind,
 };
 use sluice_engine::backend::{
     AttnOp, Backend, DeltaOp, DeviceRates, ExpertFfn, ExpertTraffic, HeadCols, KvAppend, Norm, RouterOp,
@@ -304,13 +305,18 @@ const ATT_WARPS: usize = 4;
 const ATT_KERNELS: [(usize, &str); 3] = [(128, "attention_128"), (256, "attention_256"), (576, "attention_576")];
 const ATT_MAX_HEAD_DIM: usize = ATT_KERNELS[ATT_KERNELS.len() - 1].0;
 
-/// `attention_tile` (kernels.cu's `PT_Q`, `PT_MAX_HD`, `PT_THREADS`, `PT_SHARED`):
-/// query vectors a block, the widest head, threads, and its shared memory.
+/// `attention_tile` (kernels.cu's `PT_Q`, `PT_MAX_HD`, `PT_THREADS`, `PT_T`,
+/// `PT_SHARED`): query vectors a block, the widest head, threads, positions a pass, and
+/// its shared memory.
 const TILE_QUERIES: usize = 64;
 const TILE_MAX_HEAD_DIM: usize = 128;
 const TILE_THREADS: u32 = 256;
-pub(crate) const ATTENTION_TILE_SHARED: u32 =
-    ((TILE_QUERIES * (TILE_MAX_HEAD_DIM + 4) * 2 + 64 * (TILE_QUERIES + 1) + 3 * TILE_QUERIES) * 4) as u32;
+const TILE_POSITIONS: usize = 64;
+pub(crate) const ATTENTION_TILE_SHARED: u32 = ((TILE_QUERIES * (TILE_MAX_HEAD_DIM + 4)
+    + TILE_POSITIONS * (TILE_MAX_HEAD_DIM + 4)
+    + TILE_POSITIONS * (TILE_QUERIES + 1)
+    + 3 * TILE_QUERIES)
+    * 4) as u32;
 
 /// The attention kernel for heads of `hd` dimensions: the narrowest that takes them.
 fn attention_kernel(hd: usize) -> Result<&'static str> {
@@ -330,38 +336,52 @@ fn attention_splits(len: usize) -> usize {
     len.div_ceil(run).max(1)
 }
 
-/// The rows `attention_tile` takes, as tiles of (first row, rows) of up to
-/// `TILE_QUERIES` query vectors: the rows at 8 bits of a sequence with several rows
-/// in the step (a prompt's chunk; a decode row keeps the split kernel, which
-/// spreads one row's positions over many blocks), in a layer with no window and no
-/// chosen positions whose heads the kernel takes. Each is a fact of the row and its
-/// own sequence, so a row takes the same kernel in any batch.
-fn prompt_tiles(op: &AttnOp<'_, Cuda>, precision: &RowPrecision) -> Vec<[u32; 2]> {
-    let s = op.spec;
-    let group = s.n_heads / s.n_kv_heads.max(1);
-    let fits = s.window.is_none()
-        && op.select.is_none()
-        && s.head_dim <= TILE_MAX_HEAD_DIM
-        && s.head_dim % 4 == 0
-        && s.n_kv_heads * group == s.n_heads
+/// A run of one sequence's rows that `attention_tile` takes in one block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PromptTile {
+    first: usize,
+    rows: usize,
+}
+
+/// The rows a block of `attention_tile` takes in a layer of `spec` (its query heads
+/// sharing a kv head, `TILE_QUERIES` query vectors a block), or `None` where the kernel
+/// does not take the layer: a window, or heads it does not fit.
+fn tile_rows(spec: &AttentionSpec) -> Option<usize> {
+    let group = spec.n_heads / spec.n_kv_heads.max(1);
+    let fits = spec.window.is_none()
+        && spec.head_dim <= TILE_MAX_HEAD_DIM
+        && spec.head_dim % 4 == 0
+        && spec.n_kv_heads * group == spec.n_heads
         && (1..=TILE_QUERIES).contains(&group);
-    let mut tiles = Vec::new();
-    if !fits {
-        return tiles;
-    }
+    fits.then_some(TILE_QUERIES / group)
+}
+
+/// The tiles of up to `per_tile` rows that `attention_tile` takes of a step whose
+/// sequences are `seqs` (`rings`: each one's cache ring, if it has one): the rows at 8
+/// bits of a sequence with several rows in the step (a prompt's chunk; a decode row
+/// keeps the split kernel, which spreads one row's positions over many blocks), each
+/// tile within one sequence. Each is a fact of the row and its own sequence, so a row
+/// takes the same kernel in any batch.
+fn prompt_tiles(
+    per_tile: usize,
+    seqs: &[SeqRows],
+    rings: &[Option<usize>],
+    precision: &RowPrecision,
+) -> Vec<PromptTile> {
     let fast = |row: usize| precision.of(row) == Precision::Fast;
-    for (r, cache) in op.batch.seqs.iter().zip(op.caches) {
-        if r.rows < 2 || cache.window.is_some() {
+    let mut tiles = Vec::new();
+    for (r, ring) in seqs.iter().zip(rings) {
+        if r.rows < 2 || ring.is_some() {
             continue;
         }
         let mut i = 0;
         while i < r.rows {
             let mut n = 0;
-            while i + n < r.rows && n < TILE_QUERIES / group && fast(r.first + i + n) {
+            while i + n < r.rows && n < per_tile && fast(r.first + i + n) {
                 n += 1;
             }
             if n > 0 {
-                tiles.push([(r.first + i) as u32, n as u32]);
+                tiles.push(PromptTile { first: r.first + i, rows: n });
             }
             i += n.max(1);
         }
@@ -1614,11 +1634,15 @@ impl Backend for Cuda {
         let ring: Vec<i32> = op.caches.iter().map(|c| c.window.unwrap_or(0) as i32).collect();
         let (kc, vc, ring, meta) =
             (self.constant(&kc)?, self.constant(&vc)?, self.constant(&ring)?, self.constant(&meta)?);
-        let tiles = prompt_tiles(op, &self.precision);
+        let rings: Vec<Option<usize>> = op.caches.iter().map(|c| c.window).collect();
+        let tiles = match tile_rows(s) {
+            Some(per_tile) if op.select.is_none() => prompt_tiles(per_tile, &op.batch.seqs, &rings, &self.precision),
+            _ => Vec::new(),
+        };
         let sinks = op.sinks.map_or(0, |v| self.p(&v.dev));
         // Every row through the split kernel unless the tiles take them all; the tiles'
         // rows are then written again, by their own kernel, after the merge.
-        if tiles.iter().map(|t| t[1] as usize).sum::<usize>() < rows {
+        if tiles.iter().map(|t| t.rows).sum::<usize>() < rows {
             let kernel = attention_kernel(hd)?;
             let part = self.dev.scratch::<f32>(rows * s.n_heads * splits * (hd + 2))?;
             let cfg = cudarc::driver::LaunchConfig {
@@ -1635,7 +1659,8 @@ impl Backend for Cuda {
                 self.p(&part), meta, sinks, s.n_heads as i32, hd as i32, window, splits as i32, self.p(&out.buf))?;
         }
         if !tiles.is_empty() {
-            let list = self.dev.upload_scratch(tiles.as_flattened())?;
+            let list: Vec<u32> = tiles.iter().flat_map(|t| [t.first as u32, t.rows as u32]).collect();
+            let list = self.dev.upload_scratch(&list)?;
             let cfg = cudarc::driver::LaunchConfig {
                 grid_dim: (s.n_kv_heads as u32, tiles.len() as u32, 1),
                 block_dim: (TILE_THREADS, 1, 1),
@@ -1956,8 +1981,8 @@ impl Backend for Cuda {
 #[cfg(test)]
 mod tests {
     use super::{
-        ATT_KERNELS, MANY_MATS, Many, MatDesc, Path, Products, RowPrecision, attention_kernel, attention_splits,
-        decode_threads,
+        ATT_KERNELS, MANY_MATS, Many, MatDesc, Path, Products, PromptTile, RowPrecision, SeqRows, attention_kernel,
+        attention_splits, decode_threads, prompt_tiles,
     };
     use crate::device::{Unit, kernel_names};
     use sluice_core::DType;
@@ -2033,6 +2058,31 @@ mod tests {
         assert_eq!(Path::of(Products::Float, &all(Fast), DType::Q4K), Path::Float);
         assert!(Path::FloatThenTensor.float() && Path::FloatThenTensor.tensor());
         assert!(!Path::Tensor.float() && !Path::Float.tensor());
+    }
+
+    /// A prompt's rows at 8 bits in tiles within their sequence; a decode row, rows at
+    /// 16 bits and a sequence with a ring go to the split kernel.
+    #[test]
+    fn a_prompts_rows_take_the_tiles() {
+        use sluice_core::Precision::{Accurate, Fast};
+        let seqs = [
+            SeqRows { first: 0, rows: 20, start: 0 },
+            SeqRows { first: 20, rows: 1, start: 30 },
+            SeqRows { first: 21, rows: 5, start: 0 },
+            SeqRows { first: 26, rows: 4, start: 0 },
+            SeqRows { first: 30, rows: 5, start: 9 },
+        ];
+        let rings = [None, None, None, Some(16), None];
+        let mut rows = vec![Fast; 20];
+        rows.extend([Fast, Accurate, Accurate, Accurate, Accurate, Accurate, Fast, Fast, Fast, Fast]);
+        rows.extend([Fast, Fast, Accurate, Fast, Fast]);
+        let tile = |first, rows| PromptTile { first, rows };
+        assert_eq!(
+            prompt_tiles(8, &seqs, &rings, &RowPrecision::from_rows(rows)),
+            [tile(0, 8), tile(8, 8), tile(16, 4), tile(30, 2), tile(33, 2)]
+        );
+        assert_eq!(prompt_tiles(3, &seqs[..1], &rings[..1], &RowPrecision::All(Fast)).len(), 7);
+        assert!(prompt_tiles(8, &seqs, &rings, &RowPrecision::All(Accurate)).is_empty());
     }
 
     /// Runs of 64 up to 16 of them, then longer runs: never more than 16 blocks, and

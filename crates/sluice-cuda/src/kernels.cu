@@ -834,9 +834,15 @@ __device__ __forceinline__ void cp_async_wait() {
 // inputs' codes and block scales from global memory at every mma: a 512-token
 // prompt's products waited on those loads 77% of the time on an H100.)
 #define MT_XLD 272
+// Each warp's 16 weight rows of a Q4_K or Q5_K super-block come the same way (rows of
+// its format's 144 or 176 bytes: the eight rows a warp's lanes read in one load fall on
+// distinct banks in both); Q6_K's 210-byte blocks are not whole 16-byte copies and are
+// read from global memory.
+#define MT_WLD 176
 struct MtStage {
     u8 x[2][MT_ROWS * MT_XLD];
     float d[2][MT_ROWS * 8], sx[2][MT_ROWS * 8];
+    u8 w[2][MT_WARPS][16 * MT_WLD];
 };
 
 // The lane's part of the tile: the row whose codes it gives to mma's B (8 * group + g)
@@ -853,11 +859,26 @@ struct MtLoads {
     const i8* x[4];
     const float* d;
     const float* sx;
+    // The warp's weight rows: w's rows o .. o + 15 (the last, out - 1, past it).
+    const u8* w;
+    long long row_bytes;
+    int out, o;
 };
 
-// Starts the copies of super-block sb of the tile into buffer `buf`, as a group.
+// Starts the copies of super-block sb of the tile (and of the warp's weight rows, for
+// Q4_K and Q5_K) into buffer `buf`, as a group.
+template <int F>
 __device__ __forceinline__ void mt_stage(MtStage& st, const MtLoads& l, int sb, int buf) {
     int tid = threadIdx.x;
+    if (F == F_Q4K || F == F_Q5K) {
+        const int bytes = F == F_Q4K ? 144 : 176, runs = bytes / 16;
+        int lane = tid & 31, warp = tid >> 5;
+        for (int c = lane; c < 16 * runs; c += 32) {
+            int r = c / runs, k = c % runs;
+            const u8* src = l.w + (long long)min(l.o + r, l.out - 1) * l.row_bytes + bytes * sb + 16 * k;
+            cp_async16(&st.w[buf][warp][r * bytes + 16 * k], src);
+        }
+    }
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         int c = tid + 128 * q;
@@ -897,21 +918,22 @@ __device__ __forceinline__ void mt_loop(const u8* wa, const u8* wb, const MtRows
                                         MtStage& st, const MtLoads& loads, float (*acc)[4]) {
     int t = threadIdx.x & 3;
     int n_sb = in.cols >> 8;
-    mt_stage(st, loads, 0, 0);
+    mt_stage<F>(st, loads, 0, 0);
     for (int sb = 0; sb < n_sb; sb++) {
         int buf = sb & 1;
         // The next super-block's copies go out before this one's are waited for; the
         // buffer they fill was last read before the previous iteration's barrier.
         if (sb + 1 < n_sb)
-            mt_stage(st, loads, sb + 1, buf ^ 1);
+            mt_stage<F>(st, loads, sb + 1, buf ^ 1);
         else
             cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
         if (F == F_Q4K || F == F_Q5K) {
             const int bytes = F == F_Q4K ? 144 : 176, qs = F == F_Q4K ? 16 : 48;
-            const u8* ba = wa + bytes * sb;
-            const u8* bb = wb + bytes * sb;
+            int g = (threadIdx.x & 31) >> 2;
+            const u8* ba = &st.w[buf][threadIdx.x >> 5][g * bytes];
+            const u8* bb = &st.w[buf][threadIdx.x >> 5][(g + 8) * bytes];
             u32 dma = ld32(ba), dmb = ld32(bb);
             u32 ha0 = 0, ha1 = 0, hb0 = 0, hb1 = 0;
             if (F == F_Q5K) ha0 = ld32(ba + 16 + 4 * t), ha1 = ld32(ba + 32 + 4 * t), hb0 = ld32(bb + 16 + 4 * t), hb1 = ld32(bb + 32 + 4 * t);
@@ -1014,6 +1036,10 @@ __device__ __forceinline__ void mt_block(const u8* w, long long row_bytes, int o
     int blocks = in.cols >> 5, row = threadIdx.x >> 2;
     loads.d = row < n ? in.d + xrow(row) * blocks : nullptr;
     loads.sx = row < n ? in.sx + xrow(row) * blocks : nullptr;
+    loads.w = w;
+    loads.row_bytes = row_bytes;
+    loads.out = out;
+    loads.o = o0 + 16 * warp;
     float acc[MT_GROUPS][4];
 #pragma unroll
     for (int grp = 0; grp < MT_GROUPS; grp++)
@@ -1130,7 +1156,7 @@ extern "C" __global__ void CAT(mmq_, SLUICE_FORMAT_NAME)(const u8* w, long long 
 }
 // The tensor-core products (backend.rs: `Path::Tensor`), with the integer products'
 // quantized input.
-#define TENSOR_BOUNDS __launch_bounds__(32 * MT_WARPS)
+#define TENSOR_BOUNDS __launch_bounds__(32 * MT_WARPS, 5)
 extern "C" __global__ void TENSOR_BOUNDS CAT(mmgt_, SLUICE_FORMAT_NAME)(const unsigned long long* ws,
                                                                        long long row_bytes, int out, QIn in,
                                                                        const u32* xrow, const Work* tiles, float* y,
