@@ -207,7 +207,19 @@ pub enum DevExperts<'s> {
         key: (u64, usize),
         held: Vec<(usize, Arc<DevExpert>)>,
         lease: Option<ExpertLease<'s>>,
+        /// Whether the lease's host bytes outlive the step where they are.
+        host: HostBytes,
     },
+}
+
+/// Whether a lease's host bytes stay where they are after the step: a resident
+/// store's page-locked memory does, so its misses are copied while the held experts
+/// compute; a mapped store's pages and a streamed store's buffers are let go with
+/// the lease, so their misses are copied (and waited for) before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostBytes {
+    Stable,
+    Leased,
 }
 
 /// Every expert of a layer held in VRAM, and their weights' addresses by expert id,
@@ -230,7 +242,7 @@ struct ExpertTables {
 /// [`VRAM_HEADROOM`] free (or within an explicit budget).
 #[derive(Default)]
 struct VramTier {
-    map: HashMap<TierKey, (Arc<DevExpert>, u64)>,
+    map: HashMap<TierKey, Arc<DevExpert>>,
     bytes: usize,
     tick: u64,
     policy: TierPolicy,
@@ -270,7 +282,8 @@ impl VramTier {
     fn insert(&mut self, key: TierKey, x: Arc<DevExpert>) {
         self.tick += 1;
         self.bytes += x.bytes();
-        if self.map.insert(key, (x, self.tick)).is_none() {
+        self.policy.held(key, self.tick);
+        if self.map.insert(key, x).is_none() {
             *self.held.entry((key.0, key.1)).or_default() += 1;
         }
     }
@@ -284,7 +297,8 @@ impl VramTier {
 
     /// Drops expert `key`; its bytes, or `None` if it is not held.
     fn remove(&mut self, key: TierKey) -> Option<usize> {
-        let (gone, _) = self.map.remove(&key)?;
+        let gone = self.map.remove(&key)?;
+        self.policy.dropped(key);
         self.bytes -= gone.bytes();
         if let Some(n) = self.held.get_mut(&(key.0, key.1)) {
             *n -= 1;
@@ -516,8 +530,7 @@ impl Cuda {
         let mut room = self.room(t)?;
         while room < need {
             let copying = t.pending.as_ref().map_or(&[][..], |p| &p.keys[..]);
-            let held = t.map.iter().filter(|(k, _)| !spare.contains(k) && !copying.contains(k));
-            let Some(gone) = t.policy.victim(held.map(|(k, (_, used))| (*k, *used))) else { return Ok(false) };
+            let Some(gone) = t.policy.victim(|k| spare.contains(k) || copying.contains(k)) else { return Ok(false) };
             t.stats.evictions += 1;
             room += t.remove(gone).unwrap_or(0);
         }
@@ -568,7 +581,7 @@ impl Cuda {
         }
         let mut experts = Vec::with_capacity(n_experts);
         for e in 0..n_experts {
-            let Some((x, _)) = t.map.get(&(key.0, key.1, e)) else { return Ok(None) };
+            let Some(x) = t.map.get(&(key.0, key.1, e)) else { return Ok(None) };
             experts.push(x.clone());
         }
         let refs: Vec<(usize, &DevExpert)> = experts.iter().map(|x| x.as_ref()).enumerate().collect();
@@ -585,6 +598,45 @@ impl Cuda {
             up: self.upload_mat(m.up)?,
             down: self.upload_mat(m.down)?,
         }))
+    }
+
+    /// An expert of `m`'s shapes in device memory, unwritten, and the copies that fill
+    /// it from `m`'s host bytes (device address, bytes) for [`Cuda::queue_copies`].
+    fn empty_expert<'m>(
+        &self,
+        m: sluice_experts::ExpertRef<'m>,
+        copies: &mut Vec<(u64, &'m [u8])>,
+    ) -> Result<DevExpert> {
+        let empty = |m: sluice_core::MatRef<'_>| Ok::<_, Error>(DevMat::shaped(m, self.dev.alloc::<u8>(m.data.len())?));
+        let x = DevExpert { gate: empty(m.gate)?, up: empty(m.up)?, down: empty(m.down)? };
+        for (d, h) in [(&x.gate, m.gate), (&x.up, m.up), (&x.down, m.down)] {
+            copies.push((self.p(&d.buf), h.data));
+        }
+        Ok(x)
+    }
+
+    /// Queues `copies` on the copy stream after what the compute stream has queued
+    /// (the allocations they fill); the event the copy stream reaches once they are
+    /// done (and every copy queued before them). Whoever reads their buffers orders
+    /// the compute stream after it. On an error nothing is left under way.
+    ///
+    /// # Safety
+    /// The host bytes stay allocated and unchanged until the copy stream has passed
+    /// the event (the copy engine reads page-locked memory after this returns), and
+    /// each device address holds its copy's bytes.
+    unsafe fn queue_copies(&self, copies: &[(u64, &[u8])]) -> Result<cudarc::driver::CudaEvent> {
+        let queued = || -> Result<cudarc::driver::CudaEvent> {
+            self.dev.copies_after_compute()?;
+            for &(dst, host) in copies {
+                // SAFETY: as the caller promises.
+                unsafe { self.dev.copy_ahead(host, dst)? };
+            }
+            self.dev.copies_done()
+        };
+        queued().inspect_err(|_| {
+            // Nothing is freed under a copy still under way.
+            let _ = self.dev.copies.synchronize();
+        })
     }
 
     /// Host data in device memory that stays as it is (positions, frequencies,
@@ -1660,14 +1712,15 @@ impl Backend for Cuda {
         }
         if !tiles.is_empty() {
             let list: Vec<u32> = tiles.iter().flat_map(|t| [t.first as u32, t.rows as u32]).collect();
-            let list = self.dev.upload_scratch(&list)?;
+            // The same list for every full-attention layer of the step: a constant.
+            let list = self.constant(&list)?;
             let cfg = cudarc::driver::LaunchConfig {
                 grid_dim: (s.n_kv_heads as u32, tiles.len() as u32, 1),
                 block_dim: (TILE_THREADS, 1, 1),
                 shared_mem_bytes: ATTENTION_TILE_SHARED,
             };
             launch!(&self.dev, "attention_tile", cfg;
-                self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), kc, vc, meta, self.p(&list),
+                self.p(&op.q.buf), self.p(&op.k.buf), self.p(&op.v.buf), kc, vc, meta, list,
                 s.n_heads as i32, s.n_kv_heads as i32, hd as i32, s.scale, 0.0f32, sinks, self.p(&out.buf))?;
         }
         Ok(out)
@@ -1757,11 +1810,12 @@ impl Backend for Cuda {
             t.tick += 1;
             let tick = t.tick;
             for &e in ids {
-                t.policy.used((store.id(), layer, e));
-                match t.map.get_mut(&(store.id(), layer, e)) {
-                    Some((x, used)) => {
-                        *used = tick;
-                        held.push((e, x.clone()));
+                let key = (store.id(), layer, e);
+                t.policy.used(key);
+                match t.map.get(&key).cloned() {
+                    Some(x) => {
+                        t.policy.held(key, tick);
+                        held.push((e, x));
                     }
                     None => missing.push(e),
                 }
@@ -1772,7 +1826,8 @@ impl Backend for Cuda {
         store.note_routed(layer, &held.iter().map(|(e, _)| *e).collect::<Vec<_>>());
         let lease =
             if missing.is_empty() { None } else { Some(store.fetch_with(layer, &missing, FetchMode::Stream)?) };
-        Ok(DevExperts::Some { key: (store.id(), layer), held, lease })
+        let host = if store.residency() == Residency::Resident { HostBytes::Stable } else { HostBytes::Leased };
+        Ok(DevExperts::Some { key: (store.id(), layer), held, lease, host })
     }
 
     /// Copies the pilot's picks that the tier lacks into it on the copy stream, most
@@ -1793,52 +1848,41 @@ impl Backend for Cuda {
         }
         let lease = store.fetch_with(layer, &missing, FetchMode::Ahead)?;
         let taken = missing.iter().map(|&e| Ok((e, lease.take(e)?))).collect::<Result<Vec<_>>>()?;
-        // Each expert kept as its buffers are allocated (so that the tier's room counts
-        // it), copied below; (device address, host bytes) of each copy.
+        // Each pick kept as its buffers are allocated (so that the tier's room counts
+        // it: evicted experts free their memory only later), most picked first, while
+        // room lasts without giving up another of them; copied below.
         let mut keys: Vec<TierKey> = Vec::new();
         let mut copies: Vec<(u64, &[u8])> = Vec::new();
         let mut kept = || -> Result<()> {
             for (e, taken) in &taken {
                 let m = taken.mats();
-                let need = m.gate.data.len() + m.up.data.len() + m.down.data.len();
-                if !self.make_room(&mut t, need, &keys)? {
+                if !self.make_room(&mut t, m.gate.data.len() + m.up.data.len() + m.down.data.len(), &keys)? {
                     break;
                 }
-                let empty =
-                    |m: sluice_core::MatRef<'_>| Ok::<_, Error>(DevMat::shaped(m, self.dev.alloc::<u8>(m.data.len())?));
-                let x = DevExpert { gate: empty(m.gate)?, up: empty(m.up)?, down: empty(m.down)? };
-                for (d, h) in [(&x.gate, m.gate), (&x.up, m.up), (&x.down, m.down)] {
-                    copies.push((self.p(&d.buf), h.data));
-                }
+                let x = self.empty_expert(m, &mut copies)?;
                 keys.push((store.id(), layer, *e));
                 t.insert((store.id(), layer, *e), Arc::new(x));
             }
             if copies.is_empty() {
                 return Ok(());
             }
-            // The copies wait for their buffers' allocations on the compute stream; the
-            // compute stream waits for the copies before it reads one or frees one
-            // (await_prefetch).
-            self.dev.copies_after_compute()?;
-            for &(dst, host) in &copies {
-                // SAFETY: a resident store's buffers live and stay as they are as long
-                // as the store, which outlives its model's steps (and the context's
-                // sync before it unlocks them); `dst` was allocated for `host` above
-                // and is read only after the compute stream waits for `pending`.
-                unsafe { self.dev.copy_ahead(host, dst)? };
-            }
+            // SAFETY: a resident store's buffers live and stay as they are as long as
+            // the store, which outlives its model's steps (and the context's sync
+            // before it unlocks them); each address was allocated for its bytes above.
+            let done = unsafe { self.queue_copies(&copies)? };
             // The copy stream is in order: the new event covers copies still pending.
+            // The compute stream waits for it before it reads one or frees one
+            // (await_prefetch).
             let mut keys_copying = t.pending.take().map_or(Vec::new(), |p| p.keys);
             keys_copying.extend_from_slice(&keys);
-            t.pending = Some(PendingCopies { done: self.dev.copies_done()?, keys: keys_copying });
+            t.pending = Some(PendingCopies { done, keys: keys_copying });
             t.stats.prefetched += keys.len() as u64;
             t.stats.fill_bytes += copies.iter().map(|(_, h)| h.len() as u64).sum::<u64>();
             Ok(())
         };
         let done = kept();
         if done.is_err() {
-            // Nothing half-copied stays in the tier, nor is freed under a copy.
-            let _ = self.dev.copies.synchronize();
+            // Nothing half-copied stays in the tier.
             for k in keys {
                 t.remove(k);
             }
@@ -1851,6 +1895,12 @@ impl Backend for Cuda {
             DevExperts::Some { lease: Some(l), .. } => l.wait_all(),
             _ => Ok(()),
         }
+    }
+
+    fn experts_queued(&self, experts: &DevExperts<'_>) -> bool {
+        // A resident store's misses are copied in `moe`, on the copy stream that the
+        // pilot's copies ahead take too: this layer's go first.
+        matches!(experts, DevExperts::Some { lease: Some(_), host: HostBytes::Stable, .. })
     }
 
     fn experts_waited(&self, experts: &DevExperts<'_>) -> std::time::Duration {
@@ -1933,26 +1983,75 @@ impl Backend for Cuda {
                 let shape = w.experts.first().expect("a whole layer has experts");
                 self.grouped_experts(x, routing, &w.tables, shape, ffn, &per_slot)?;
             }
-            DevExperts::Some { key, held, lease } => {
-                // Every expert on the device: those the tier holds, then the others
-                // as the store delivers them, each copied over and kept.
-                let mut exs: Vec<(usize, Arc<DevExpert>)> = held.clone();
-                if let Some(lease) = lease {
-                    for e in lease.order() {
-                        let ex = self.upload_expert(lease.take(e)?.mats())?;
-                        {
-                            let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
-                            t.stats.host_fills += 1;
-                            t.stats.fill_bytes += ex.bytes() as u64;
-                        }
-                        self.keep((key.0, key.1, e), ex.clone())?;
-                        exs.push((e, ex));
-                    }
+            DevExperts::Some { key, held, lease, host } => {
+                // Where the misses' host bytes stay put until the copy engine has read
+                // them, their copies run on the copy stream while the held experts are
+                // computed (the grouped products pass over the experts a table lacks,
+                // and a slot's output is the same expression whichever launch writes
+                // it), then the misses'. An expert bias is added to every row, so a
+                // layer with biases takes all its experts in one pass.
+                let overlap = *host == HostBytes::Stable && ffn.bias.is_none();
+                let taken = match lease {
+                    Some(l) => l.order().into_iter().map(|e| Ok((e, l.take(e)?))).collect::<Result<Vec<_>>>()?,
+                    None => Vec::new(),
+                };
+                let mut filled: Vec<(usize, Arc<DevExpert>)> = Vec::with_capacity(taken.len());
+                let mut copies = Vec::new();
+                for (e, t) in &taken {
+                    let ex = match overlap {
+                        true => Arc::new(self.empty_expert(t.mats(), &mut copies)?),
+                        false => self.upload_expert(t.mats())?,
+                    };
+                    filled.push((*e, ex));
                 }
-                let Some((_, shape)) = exs.first() else { return self.zeros(x.rows, x.cols) };
-                let refs: Vec<(usize, &DevExpert)> = exs.iter().map(|(e, x)| (*e, x.as_ref())).collect();
-                let tables = self.tables(routing.n_experts, &refs)?;
-                self.grouped_experts(x, routing, &tables, shape, ffn, &per_slot)?;
+                let Some((_, shape)) = held.first().or(filled.first()) else { return self.zeros(x.rows, x.cols) };
+                let shape = shape.clone();
+                // The passes' address tables first: their uploads wait for the compute
+                // stream, which has only the allocations queued now.
+                let passes = if copies.is_empty() {
+                    vec![held.iter().chain(&filled).cloned().collect::<Vec<_>>()]
+                } else {
+                    vec![held.clone(), filled.clone()]
+                };
+                let tables = passes
+                    .iter()
+                    .filter(|p| !p.is_empty())
+                    .map(|p| {
+                        let refs: Vec<(usize, &DevExpert)> = p.iter().map(|(e, x)| (*e, x.as_ref())).collect();
+                        self.tables(routing.n_experts, &refs)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                // SAFETY: `HostBytes::Stable`: a resident store's bytes live and stay as
+                // they are as long as the store, which outlives its model's steps (and
+                // the context's sync before it unlocks them); each address was
+                // allocated for its bytes above.
+                let copied = if copies.is_empty() { None } else { Some(unsafe { self.queue_copies(&copies)? }) };
+                let computed = || -> Result<()> {
+                    for (e, ex) in &filled {
+                        let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
+                        t.stats.host_fills += 1;
+                        t.stats.fill_bytes += ex.bytes() as u64;
+                        drop(t);
+                        self.keep((key.0, key.1, *e), ex.clone())?;
+                    }
+                    let last = tables.len() - 1;
+                    for (i, t) in tables.iter().enumerate() {
+                        if let (true, Some(done)) = (i == last, &copied) {
+                            self.dev.compute_after(done)?;
+                        }
+                        self.grouped_experts(x, routing, t, &shape, ffn, &per_slot)?;
+                    }
+                    Ok(())
+                };
+                if let Err(e) = computed() {
+                    // Nothing is freed under a copy still under way.
+                    let _ = self.dev.copies.synchronize();
+                    return Err(e);
+                }
+                // `passes` held the experts until their products were queued after the
+                // copies: one evicted meanwhile is freed on the compute stream only
+                // after it has waited for them.
+                drop(passes);
             }
         }
         let out = self.act(x.rows, x.cols)?;

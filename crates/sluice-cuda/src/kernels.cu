@@ -94,6 +94,14 @@ __device__ __forceinline__ float h2f_hi(u32 w) { return h2f((u16)(w >> 16)); }
 // Byte k of a word's four, and its low or high nibble.
 __device__ __forceinline__ int byte_k(u32 w, int k) { return (w >> (8 * k)) & 255; }
 
+// (float)(c - off) for integers 0 <= c, off < 2^22, exactly, without the conversion
+// unit: c in the mantissa of 2^23 is the float 2^23 + c, and taking 2^23 + off away
+// is exact (`off` a constant, so that its float is folded). An SM converts 16
+// integers a cycle against 128 multiply-adds, and the float products converted six
+// integers for every eight weights (codes and scales); this takes two full-rate
+// instructions, with the same bits.
+__device__ __forceinline__ float int_float(u32 c, int off) { return __int_as_float(0x4B000000u | c) - (float)(8388608 + off); }
+
 // Elements e..e+3 of a row (e a multiple of 4): four consecutive elements share one
 // block, one scale and one 4-byte run of codes in every format, so a warp's 32 lanes
 // read 128 consecutive elements with coalesced loads. `cols` bounds the plain
@@ -216,28 +224,48 @@ __device__ __forceinline__ void deq4(const u8* row, int e, int cols, float* v) {
 // element i of strips s and s + 2 (e and e + 64), with its `qh` byte. One load of
 // codes (and of `dm`, `qh`) serves eight weights. v[0..4) are e.., v[4..8) e + PAIR_GAP.
 #define PAIR_GAP(F) ((F) == F_Q6K ? 64 : 32)
+// Sub-blocks j and j + 1's 6-bit scales and mins (j even) from a Q4_K / Q5_K
+// super-block's first 16 bytes held in registers (`head`: d and dmin, then the twelve
+// bytes of scales), as k_scale_min reads them from memory.
+__device__ __forceinline__ void k_scales_held(uint4 head, int j, int* sc, int* m) {
+    int sh = 8 * (j & 3);  // bytes j & 3 and the next of each word
+    u32 w1 = head.y >> sh, w2 = head.z >> sh, w3 = head.w >> sh;
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+        u32 a = (w1 >> (8 * t)) & 255, b = (w2 >> (8 * t)) & 255, c = (w3 >> (8 * t)) & 255;
+        // j < 4: scales[j], scales[j + 4]; after: scales[j + 4] (word 3) with the top
+        // bits of scales[j - 4] (word 1) and scales[j] (word 2).
+        sc[t] = j < 4 ? (int)(a & 63) : (int)((c & 15) | ((a >> 6) << 4));
+        m[t] = j < 4 ? (int)(b & 63) : (int)((c >> 4) | ((b >> 6) << 4));
+    }
+}
+
 template <int F>
 __device__ __forceinline__ void deq_pair(const u8* row, int e, float* v) {
     if (F == F_Q4K || F == F_Q5K) {
         const u8* b = row + (F == F_Q4K ? 144 : 176) * (e >> 8);
         int j = (e & 255) >> 5, i = e & 31;  // j even
-        u32 dm = ld32(b);
-        int sc0, m0, sc1, m1;
-        k_scale_min(b + 4, j, &sc0, &m0);
-        k_scale_min(b + 4, j + 1, &sc1, &m1);
-        float d = h2f_lo(dm), dmin = h2f_hi(dm);
-        float s0 = d * (float)sc0, n0 = dmin * (float)m0, s1 = d * (float)sc1, n1 = dmin * (float)m1;
+        // d, dmin and the scales in one 16-byte load (super-blocks are 16-byte
+        // aligned): the loads of single scale bytes were most of the products'
+        // load instructions.
+        uint4 head = *(const uint4*)b;
+        int sc[2], mn[2];
+        k_scales_held(head, j, sc, mn);
+        int sc0 = sc[0], m0 = mn[0], sc1 = sc[1], m1 = mn[1];
+        float d = h2f_lo(head.x), dmin = h2f_hi(head.x);
+        float s0 = d * int_float(sc0, 0), n0 = dmin * int_float(m0, 0);
+        float s1 = d * int_float(sc1, 0), n1 = dmin * int_float(m1, 0);
         u32 q = ld32(b + (F == F_Q4K ? 16 : 48) + 16 * j + i);
         u32 qh = F == F_Q5K ? ld32(b + 16 + i) : 0;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            int c0 = byte_k(q, k) & 15, c1 = byte_k(q, k) >> 4;
+            u32 c0 = byte_k(q, k) & 15, c1 = byte_k(q, k) >> 4;
             if (F == F_Q5K) {
                 c0 |= ((byte_k(qh, k) >> j) & 1) << 4;
                 c1 |= ((byte_k(qh, k) >> (j + 1)) & 1) << 4;
             }
-            v[k] = s0 * (float)c0 - n0;
-            v[4 + k] = s1 * (float)c1 - n1;
+            v[k] = s0 * int_float(c0, 0) - n0;
+            v[4 + k] = s1 * int_float(c1, 0) - n1;
         }
     } else {
         const u8* b = row + 210 * (e >> 8);
@@ -245,12 +273,14 @@ __device__ __forceinline__ void deq_pair(const u8* row, int e, float* v) {
         u32 ql = ld32_2(b + 64 * h + 32 * s + i);
         u32 qh = ld32_2(b + 128 + 32 * h + i);
         float d = h2f((u16)ld16(b + 208));
-        float s0 = d * (float)((const i8*)b)[192 + (ee >> 4)], s1 = d * (float)((const i8*)b)[192 + ((ee + 64) >> 4)];
+        // The signed 8-bit scales, as unsigned ones 128 above.
+        float s0 = d * int_float(b[192 + (ee >> 4)] ^ 0x80, 128);
+        float s1 = d * int_float(b[192 + ((ee + 64) >> 4)] ^ 0x80, 128);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            int lo = byte_k(ql, k), hi = byte_k(qh, k);
-            v[k] = s0 * (float)(((lo & 15) | (((hi >> (2 * s)) & 3) << 4)) - 32);
-            v[4 + k] = s1 * (float)(((lo >> 4) | (((hi >> (2 * s + 4)) & 3) << 4)) - 32);
+            u32 lo = byte_k(ql, k), hi = byte_k(qh, k);
+            v[k] = s0 * int_float((lo & 15) | (((hi >> (2 * s)) & 3) << 4), 32);
+            v[4 + k] = s1 * int_float((lo >> 4) | (((hi >> (2 * s + 4)) & 3) << 4), 32);
         }
     }
 }
@@ -282,18 +312,38 @@ __device__ __forceinline__ void rows_loop(const u8* const* row, int cols, int nr
         // of four a lane; eight consecutive elements a lane lost a fifth of prefill.)
         int e0 = F == F_Q6K ? 128 * (lane >> 4) + 32 * ((lane >> 3) & 1) + 4 * (lane & 7)
                             : 64 * (lane >> 3) + 4 * (lane & 7);
+        auto dot = [](const float* w, float4 t, float4 u) {
+            return w[0] * t.x + w[1] * t.y + w[2] * t.z + w[3] * t.w + w[4] * u.x + w[5] * u.y + w[6] * u.z +
+                   w[7] * u.w;
+        };
         for (int e = e0 + 256 * warp; e < cols; e += 256 * MM_WARPS) {
-            float w[RO][8];
+            if (RO > 1) {
+                // Several weight rows against one or two input rows (decode): the
+                // inputs first, then each weight row dequantized and taken at once, so
+                // that one row's eight weights are live at a time rather than RO's
+                // (the products are bounded to 48 registers). The same sums.
+                float4 t[NR], u[NR];
 #pragma unroll
-            for (int j = 0; j < RO; j++) deq_pair<F>(row[j], e, w[j]);
+                for (int r = 0; r < NR; r++) {
+                    t[r] = *(const float4*)(xs[r] + e);
+                    u[r] = *(const float4*)(xs[r] + e + PAIR_GAP(F));
+                }
 #pragma unroll
-            for (int r = 0; r < NR; r++) {
-                float4 t = *(const float4*)(xs[r] + e);
-                float4 u = *(const float4*)(xs[r] + e + PAIR_GAP(F));
+                for (int j = 0; j < RO; j++) {
+                    float w[8];
+                    deq_pair<F>(row[j], e, w);
 #pragma unroll
-                for (int j = 0; j < RO; j++)
-                    a[j * NR + r] += w[j][0] * t.x + w[j][1] * t.y + w[j][2] * t.z + w[j][3] * t.w +
-                                     w[j][4] * u.x + w[j][5] * u.y + w[j][6] * u.z + w[j][7] * u.w;
+                    for (int r = 0; r < NR; r++) a[j * NR + r] += dot(w, t[r], u[r]);
+                }
+            } else {
+                float w[8];
+                deq_pair<F>(row[0], e, w);
+#pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    float4 t = *(const float4*)(xs[r] + e);
+                    float4 u = *(const float4*)(xs[r] + e + PAIR_GAP(F));
+                    a[r] += dot(w, t, u);
+                }
             }
         }
     } else {
@@ -521,13 +571,16 @@ struct ScatterY {
 
 // Every routed expert of a layer in one launch: for each work item, y[yrow[j]] =
 // W_e · x[xrow[j]] over its compact rows j (an index array may be null: j itself).
+// An expert whose address is 0 is passed over, its outputs left as they are: the
+// VRAM tier's held experts are computed while its misses are still being copied in,
+// and those after (backend.rs's `moe`); every grouped product does the same.
 // Grid (out, items).
 template <int F>
 __device__ void mm_grouped(const unsigned long long* ws, long long row_bytes, int out, int cols, const float* x,
                            const u32* xrow, const Work* work, float* y, const u32* yrow) {
     int o = blockIdx.x;
     Work it = work[blockIdx.y];
-    if (it.n == 0) return;
+    if (it.n == 0 || ws[it.expert] == 0) return;
     const u8* row = (const u8*)ws[it.expert] + (long long)o * row_bytes;
     mm_block<F>(row, cols, it.n, GatherX{x, xrow, cols, it.start}, ScatterY{y, yrow, out, o, it.start});
 }
@@ -540,7 +593,7 @@ __device__ void mm_grouped_outputs(const Many& m, int cols, const float* x, cons
                                    int ro, const u32* yrow) {
     ManyPick p = many_pick(m, ro);
     Work it = work[blockIdx.y];
-    if (it.n == 0) return;
+    if (it.n == 0 || ((const unsigned long long*)p.w)[it.expert] == 0) return;
     const u8* row[MAX_OUTPUTS];
     out_rows((const u8*)((const unsigned long long*)p.w)[it.expert], p.row_bytes, p.o, ro, p.out, row);
     mm_block_outputs<F>(row, ro, cols, it.n, GatherX{x, xrow, cols, it.start},
@@ -558,7 +611,7 @@ __device__ void mm_grouped_glu(const unsigned long long* wg, const unsigned long
                                int kind, float alpha, float limit) {
     __shared__ float sums[4];
     Work it = work[blockIdx.y];
-    if (it.n == 0) return;
+    if (it.n == 0 || wg[it.expert] == 0) return;
     int o = 2 * blockIdx.x;
     const u8 *row[MAX_OUTPUTS], *up[MAX_OUTPUTS];
     out_rows((const u8*)wg[it.expert], row_bytes, o, 2, out, row);
@@ -750,7 +803,7 @@ __device__ void mmq_grouped(const unsigned long long* ws, long long row_bytes, i
                             const Work* work, float* y, const u32* yrow) {
     int o = blockIdx.x;
     Work it = work[blockIdx.y];
-    if (it.n == 0) return;
+    if (it.n == 0 || ws[it.expert] == 0) return;
     const u8* row = (const u8*)ws[it.expert] + (long long)o * row_bytes;
     mmq_block<F>(row, it.n, GatherRow{xrow, it.start}, in, ScatterY{y, yrow, out, o, it.start});
 }
@@ -1074,7 +1127,7 @@ template <int F>
 __device__ void mmt_grouped(const unsigned long long* ws, long long row_bytes, int out, QIn in, const u32* xrow,
                             const Work* tiles, float* y, const u32* yrow) {
     Work it = tiles[blockIdx.y];
-    if (it.n == 0) return;
+    if (it.n == 0 || ws[it.expert] == 0) return;
     mt_block<F>((const u8*)ws[it.expert], row_bytes, out, blockIdx.x * MT_OUT, it.n, GatherRow{xrow, it.start}, in,
                 ScatterY{y, yrow, out, 0, it.start});
 }

@@ -466,12 +466,13 @@ fn a_memory_limit_past_the_card_is_refused() {
 /// The VRAM expert tier changes where experts come from, never the logits: the MoE
 /// fixtures with no tier (every expert copied at every use), a tier of a quarter of
 /// the experts (evicting) and an unbounded one give bitwise the same, with the rest
-/// mapped, resident (page-locked; with the pilot copying ahead on the copy stream) or
-/// streamed from disk (with and without the pilot).
+/// mapped, resident (page-locked: misses copied on the copy stream beside the held
+/// experts' products; with the pilot copying ahead too) or streamed from disk (with
+/// and without the pilot). gpt-oss's expert biases take the misses before the products.
 #[test]
 fn vram_tier_sizes_agree_bitwise() {
     let Some(be) = gpu() else { return };
-    for name in ["qwen3-moe", "gemma4-moe"] {
+    for name in ["qwen3-moe", "gemma4-moe", "gpt-oss"] {
         let dir = fixtures().join(name);
         let (tokens, _) = reference(&dir);
         let ckpt = Checkpoint::open(&dir).unwrap();
@@ -512,8 +513,16 @@ fn vram_tier_sizes_agree_bitwise() {
         assert!(quarter == unbounded, "{name}: a VRAM tier of a quarter of the experts differs from an unbounded one");
         // A quarter in VRAM, the rest page-locked in host memory (what `--residency
         // auto` chooses where the tier cannot hold them all).
-        let locked = run_with(be.with_expert_budget(all / 4 * expert), Residency::Resident);
+        // Their misses are copied on the copy stream while the held experts compute
+        // (gpt-oss's expert biases: all of a layer's experts after the copies).
+        let lk = be.with_expert_budget(all / 4 * expert);
+        let locked = run_with(lk.clone(), Residency::Resident);
         assert!(locked == unbounded, "{name}: a quarter in VRAM, the rest page-locked, differs from an unbounded tier");
+        let t = lk.expert_traffic().unwrap();
+        // (gpt-oss's four experts a layer, one a layer held: each layer's evicted by the
+        // next, so no hits.)
+        let hits = t.vram_hits > 0 || moe[0].1.n_experts < 8;
+        assert!(t.host_fills > 0 && hits, "{name}: page-locked: no misses beside hits: {t:?}");
         // The same with the pilot copying its picks for the next layer into the tier
         // on the copy stream, beside the computation.
         let ahead = be.with_expert_budget(all / 4 * expert);

@@ -108,7 +108,7 @@ impl<B: Backend> Moe<B> {
     /// batch's choices.
     pub fn forward(&self, cx: &mut Cx<'_, B>, x: &B::Act, h: &B::Act) -> Result<B::Act> {
         let routing = self.route_from(cx, x, Some(h))?;
-        let mut probe = cx.probe_route(self.layer, x)?;
+        let probe = cx.probe_route(self.layer, x)?;
         if cx.pilot.is_some() {
             let chosen = unique(&cx.be.routing_ids(&routing)?);
             cx.observe(self.layer, &chosen);
@@ -124,13 +124,17 @@ impl<B: Backend> Moe<B> {
             }
         };
         let fetched = t.elapsed();
+        // The probe's picks are read now, beside this layer's own (a device has just
+        // waited for those): read after the products, they would wait for them.
+        let mut picks = probe.map(|p| be.routing_ids(&p)).transpose()?;
         // The next layer's read-ahead starts once this layer's own reads have. When
         // this layer needs more experts than its cache holds (a prompt chunk), the
         // rest are read as the products give slots back and keep the disk busy until
         // the products end; the read-ahead then waits for them, and reads while the
-        // next layer's attention computes instead of taking the disk from them.
+        // next layer's attention computes instead of taking the disk from them. A
+        // device that copies this layer's misses in `moe` likewise puts them first.
         if !be.experts_queued(&f) {
-            cx.probe_read(layer, probe.take())?;
+            cx.probe_read(layer, picks.take())?;
         }
         let t = Instant::now();
         let out = be.moe(h, &routing, &f, &self.ffn);
@@ -143,7 +147,7 @@ impl<B: Backend> Moe<B> {
         match out {
             Ok(out) => {
                 // Not yet read when this layer's experts were queued (see above).
-                cx.probe_read(layer, probe)?;
+                cx.probe_read(layer, picks)?;
                 Ok(out)
             }
             Err(e) => {

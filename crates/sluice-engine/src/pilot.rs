@@ -62,11 +62,11 @@ impl<B: Backend> Cx<'_, B> {
         next.route(self, x).map(Some)
     }
 
-    /// Starts reading what the probe of [`Cx::probe_route`] picked for layer `layer`
-    /// + 1, most picked first (the store's read-ahead, a device's copies ahead).
-    pub(crate) fn probe_read(&mut self, layer: usize, routing: Option<B::Routing>) -> Result<()> {
-        let Some(routing) = routing else { return Ok(()) };
-        let picks = self.be.routing_ids(&routing)?;
+    /// Starts reading what the probe of [`Cx::probe_route`] picked for the layer after
+    /// `layer` (`picks`, its routing's ids), most picked first (the store's read-ahead,
+    /// a device's copies ahead).
+    pub(crate) fn probe_read(&mut self, layer: usize, picks: Option<Vec<u32>>) -> Result<()> {
+        let Some(picks) = picks else { return Ok(()) };
         let mut ids = unique(&picks);
         let count = |e: usize| picks.iter().filter(|&&p| p as usize == e).count();
         ids.sort_by_cached_key(|&e| std::cmp::Reverse(count(e)));

@@ -469,6 +469,20 @@ fn wait<B: Backend>(be: &B, x: Option<B::Act>) -> Result<()> {
     Ok(())
 }
 
+/// Seconds per run of `op` (run `i` of `runs`), a trial's runs queued before one
+/// wait: a device's round trip is tens of microseconds, more than one run of a small
+/// operation would show.
+fn per_run<B: Backend>(be: &B, min: Duration, runs: usize, mut op: impl FnMut(usize) -> Result<B::Act>) -> Result<f64> {
+    let t = best_time(min, || {
+        let mut last = None;
+        for i in 0..runs {
+            last = Some(op(i)?);
+        }
+        wait(be, last)
+    })?;
+    Ok(t / runs as f64)
+}
+
 /// Seconds of a one-row product of `p`'s shape, over enough copies of the matrix that
 /// they do not stay in the caches (as a decode step's weights do not).
 fn decode_time<B: Backend>(be: &B, p: &Product) -> Result<f64> {
@@ -477,14 +491,7 @@ fn decode_time<B: Backend>(be: &B, p: &Product) -> Result<f64> {
     let mats =
         test_matrices(p.dtype, p.rows, p.cols, copies)?.iter().map(|t| be.mat(t)).collect::<Result<Vec<B::Mat>>>()?;
     let x = be.upload(1, p.cols, &vec![0.5f32; p.cols])?;
-    let t = best_time(Duration::from_millis(60), || {
-        let mut last = None;
-        for w in &mats {
-            last = Some(be.matmul(&x, w)?);
-        }
-        wait(be, last)
-    })?;
-    Ok(t / copies as f64)
+    per_run(be, Duration::from_millis(60), mats.len(), |i| be.matmul(&x, &mats[i]))
 }
 
 /// MoE layer `m`'s routing, fetch and expert products on the model's own experts
@@ -512,14 +519,7 @@ fn experts_time<B: Backend>((decode, prefill): (&B, &B), ckpt: &Checkpoint, m: &
         let h = be.upload(rows, hidden, &vec![0.01f32; rows * hidden])?;
         let logits =
             (0..sets).map(|_| be.upload(rows, m.experts, &random(rows * m.experts))).collect::<Result<Vec<_>>>()?;
-        let t = best_time(Duration::from_millis(60), || {
-            let mut last = None;
-            for l in &logits {
-                last = Some(moe.experts_by(be, &store, l, &h)?);
-            }
-            wait(be, last)
-        })?;
-        Ok(t / sets as f64)
+        per_run(be, Duration::from_millis(60), sets, |i| moe.experts_by(be, &store, &logits[i], &h))
     };
     Ok(ExpertsTime { decode_s: time(decode, 1, SETS)?, prefill_s: time(prefill, PROMPT, 1)? })
 }
@@ -530,14 +530,7 @@ fn prefill_time<B: Backend>(be: &B, p: &Product, n: usize) -> Result<f64> {
     const RUNS: usize = 4;
     let w = be.mat(&test_matrices(p.dtype, p.rows, p.cols, 1)?[0])?;
     let x = be.upload(n, p.cols, &vec![0.5f32; n * p.cols])?;
-    let t = best_time(Duration::from_millis(60), || {
-        let mut last = None;
-        for _ in 0..RUNS {
-            last = Some(be.matmul(&x, &w)?);
-        }
-        wait(be, last)
-    })?;
-    Ok(t / RUNS as f64)
+    per_run(be, Duration::from_millis(60), RUNS, |_| be.matmul(&x, &w))
 }
 
 /// Seconds of one layer's attention of geometry `a` (a layer of `spec` that has it),
@@ -570,14 +563,7 @@ fn attention_time<B: Backend>(
         let batch = Batch::new(&[(start, n, p)]);
         let op =
             AttnOp { spec: layer, q: &q, k: &k, v: &k, batch: &batch, caches: &[cache], sinks: None, select: None };
-        let t = best_time(Duration::from_millis(30), || {
-            let mut last = None;
-            for _ in 0..RUNS {
-                last = Some(be.attention(&op)?);
-            }
-            wait(be, last)
-        })?;
-        Ok(t / RUNS as f64)
+        per_run(be, Duration::from_millis(30), RUNS, |_| be.attention(&op))
     };
     Ok(AttnTime {
         decode_s: time(decode, precision.decode, 1, PROMPT, &held)?,

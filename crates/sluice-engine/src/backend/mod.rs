@@ -344,7 +344,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn experts_ready(&self, experts: &Self::Experts<'_>) -> Result<()>;
     /// Whether some of `experts` wait for a slot of their layer's cache (a prompt chunk
     /// that needs more experts than the cache holds): their reads start as
-    /// [`Backend::moe`] gives slots back.
+    /// [`Backend::moe`] gives slots back. Likewise where a device's copies of them are
+    /// queued by [`Backend::moe`]: the next layer's read-ahead then follows them.
     fn experts_queued(&self, _experts: &Self::Experts<'_>) -> bool {
         false
     }
