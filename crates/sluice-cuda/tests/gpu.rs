@@ -521,8 +521,8 @@ fn vram_tier_sizes_agree_bitwise() {
         let t = lk.expert_traffic().unwrap();
         // (gpt-oss's four experts a layer, one a layer held: each layer's evicted by the
         // next, so no hits.)
-        let hits = t.vram_hits > 0 || moe[0].1.n_experts < 8;
-        assert!(t.host_fills > 0 && hits, "{name}: page-locked: no misses beside hits: {t:?}");
+        let few = moe[0].1.n_experts < 8;
+        assert!(t.host_fills > 0 && (t.vram_hits > 0 || few), "{name}: page-locked: no misses beside hits: {t:?}");
         // The same with the pilot copying its picks for the next layer into the tier
         // on the copy stream, beside the computation.
         let ahead = be.with_expert_budget(all / 4 * expert);
@@ -555,7 +555,7 @@ fn vram_tier_sizes_agree_bitwise() {
         }
         let t = small.expert_traffic().unwrap();
         eprintln!("{name}, a quarter of the experts in VRAM: {t:?}");
-        assert!(t.vram_hits > 0 && t.evictions > 0, "{name}: the tier was neither hit nor full: {t:?}");
+        assert!((t.vram_hits > 0 || few) && t.evictions > 0, "{name}: the tier was neither hit nor full: {t:?}");
     }
 }
 
