@@ -2008,18 +2008,18 @@ impl Backend for Cuda {
                 let shape = shape.clone();
                 // The passes' address tables first: their uploads wait for the compute
                 // stream, which has only the allocations queued now.
+                fn refs(v: &[(usize, Arc<DevExpert>)]) -> Vec<(usize, &DevExpert)> {
+                    v.iter().map(|(e, x)| (*e, x.as_ref())).collect()
+                }
                 let passes = if copies.is_empty() {
-                    vec![held.iter().chain(&filled).cloned().collect::<Vec<_>>()]
+                    vec![[refs(held), refs(&filled)].concat()]
                 } else {
-                    vec![held.clone(), filled.clone()]
+                    vec![refs(held), refs(&filled)]
                 };
                 let tables = passes
                     .iter()
                     .filter(|p| !p.is_empty())
-                    .map(|p| {
-                        let refs: Vec<(usize, &DevExpert)> = p.iter().map(|(e, x)| (*e, x.as_ref())).collect();
-                        self.tables(routing.n_experts, &refs)
-                    })
+                    .map(|p| self.tables(routing.n_experts, p))
                     .collect::<Result<Vec<_>>>()?;
                 // SAFETY: `HostBytes::Stable`: a resident store's bytes live and stay as
                 // they are as long as the store, which outlives its model's steps (and
@@ -2048,10 +2048,9 @@ impl Backend for Cuda {
                     let _ = self.dev.copies.synchronize();
                     return Err(e);
                 }
-                // `passes` held the experts until their products were queued after the
-                // copies: one evicted meanwhile is freed on the compute stream only
-                // after it has waited for them.
-                drop(passes);
+                // `held` and `filled` keep the experts until their products are queued
+                // after the copies: one evicted meanwhile is freed on the compute
+                // stream only after it has waited for them.
             }
         }
         let out = self.act(x.rows, x.cols)?;
