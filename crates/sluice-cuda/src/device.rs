@@ -117,7 +117,7 @@ impl Unit {
 pub fn compile(major: i32, minor: i32, unit: Unit) -> Result<Vec<u8>> {
     use cudarc::nvrtc::{result, sys};
     let what = format!("compiling the {} kernels for sm_{major}{minor}", unit.label());
-    let src = CString::new(SOURCE).expect("kernels.cu has no NUL");
+    let src = CString::new(source()).map_err(|_| fail(&what, "the kernels' source holds a NUL byte"))?;
     let prog = result::create_program(&src, Some(c"kernels.cu")).map_err(|e| fail(&what, e))?;
     let mut opts = vec![format!("--gpu-architecture=sm_{major}{minor}")];
     opts.extend(unit.defines());
@@ -149,7 +149,7 @@ fn machine_code(major: i32, minor: i32, unit: Unit) -> Result<Vec<u8>> {
     // SAFETY: two out-parameters.
     let _ = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nv_major, &mut nv_minor) };
     let key = format!("{major}.{minor} nvrtc {nv_major}.{nv_minor} {:?}", unit.defines());
-    let name = format!("{}-sm_{major}{minor}-{:016x}.cubin", unit.label(), fnv64(&[SOURCE.as_bytes(), key.as_bytes()]));
+    let name = format!("{}-sm_{major}{minor}-{:016x}.cubin", unit.label(), fnv64(&[source().as_bytes(), key.as_bytes()]));
     // Kept in `$SLUICE_CACHE_DIR/cuda` (see `sluice_core::cache::cache_dir`).
     let path = cache_dir("cuda").map(|d| d.join(name));
     if let Some(bin) = path.as_ref().and_then(|p| std::fs::read(p).ok())
@@ -705,6 +705,21 @@ pub(crate) fn arg_ptr<T: DeviceRepr>(v: &T) -> *mut std::ffi::c_void {
 pub(crate) fn variant() -> Option<u32> {
     static VARIANT: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
     *VARIANT.get_or_init(|| std::env::var("SLUICE_CUDA_VARIANT").ok().and_then(|v| v.parse().ok()))
+}
+
+/// The kernels' source: the one built in, or a developer's edit of it named by
+/// `SLUICE_CUDA_SOURCE` (a kernel change timed on the GPU machine without a new build;
+/// the cache keys on the text). An unreadable file is reported and the built-in
+/// source taken.
+fn source() -> &'static str {
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(|| match std::env::var_os("SLUICE_CUDA_SOURCE") {
+        Some(path) => std::fs::read_to_string(&path).unwrap_or_else(|e| {
+            eprintln!("SLUICE_CUDA_SOURCE {}: {e}; the built-in kernels taken", path.to_string_lossy());
+            SOURCE.to_string()
+        }),
+        None => SOURCE.to_string(),
+    })
 }
 
 /// Whether kernel `name` begins with kernels.cu's `grid_entry` (and so may be
