@@ -149,7 +149,8 @@ fn machine_code(major: i32, minor: i32, unit: Unit) -> Result<Vec<u8>> {
     // SAFETY: two out-parameters.
     let _ = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nv_major, &mut nv_minor) };
     let key = format!("{major}.{minor} nvrtc {nv_major}.{nv_minor} {:?}", unit.defines());
-    let name = format!("{}-sm_{major}{minor}-{:016x}.cubin", unit.label(), fnv64(&[source().as_bytes(), key.as_bytes()]));
+    let name =
+        format!("{}-sm_{major}{minor}-{:016x}.cubin", unit.label(), fnv64(&[source().as_bytes(), key.as_bytes()]));
     // Kept in `$SLUICE_CACHE_DIR/cuda` (see `sluice_core::cache::cache_dir`).
     let path = cache_dir("cuda").map(|d| d.join(name));
     if let Some(bin) = path.as_ref().and_then(|p| std::fs::read(p).ok())
