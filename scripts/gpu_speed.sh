@@ -18,6 +18,26 @@ b() {
     "${bench[@]}" --json "$@" 2>/dev/null | tail -1 |
         python3 -c 'import json, sys; j = json.load(sys.stdin); print("prefill %.1f tok/s, decode %.2f tok/s (%.2f per sequence)" % (j["prefill_tok_s"], j["decode_tok_s"], j["decode_tok_s_per_sequence"]))'
 }
+# SPEED_SOURCES="NAME:FILE ...": kernel sources timed against each other with this one
+# build (`SLUICE_CUDA_SOURCE`, e.g. `git show REV:crates/sluice-cuda/src/kernels.cu`
+# saved beside an edited copy), SPEED_ROUNDS rounds (2) alternated, decode and eight
+# sequences (SPEED_ONLY=decode: decode alone); each source compiled once first. Then
+# nothing else is timed.
+if [ -n "${SPEED_SOURCES:-}" ]; then
+    for kv in $SPEED_SOURCES; do
+        SLUICE_CUDA_SOURCE=${kv#*:} b --prompt-tokens 8 --gen-tokens 2 >/dev/null
+    done
+    for r in $(seq "${SPEED_ROUNDS:-2}"); do
+        for kv in $SPEED_SOURCES; do
+            export SLUICE_CUDA_SOURCE=${kv#*:}
+            echo "round $r, ${kv%%:*}: decode $(b --prompt-tokens 512 --gen-tokens 64)"
+            [ "${SPEED_ONLY:-}" = decode ] ||
+                echo "round $r, ${kv%%:*}: 8 sequences $(b --prompt-tokens 64 --gen-tokens 32 --parallel 8)"
+            unset SLUICE_CUDA_SOURCE
+        done
+    done
+    exit 0
+fi
 # SPEED_ONLY=decode: the decode line alone (its prompt's rate too), when device time is short.
 [ "${SPEED_ONLY:-}" = decode ] || echo "prefill 512:   $(b --prompt-tokens 512 --gen-tokens 1)"
 echo "decode:        $(b --prompt-tokens 512 --gen-tokens 64)"
