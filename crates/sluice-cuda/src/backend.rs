@@ -1083,12 +1083,17 @@ fn outputs_per_block(rows: usize, cols: usize) -> usize {
 }
 
 /// Threads a block of a decode product (`mmo_`, `mmgo_`, `mmglu_`) for a weight of
-/// `cols` columns: a warp per run of columns (256 of a K-quant, 128 of other formats;
-/// kernels.cu's `rows_loop`) up to `MM_WARPS`, so that a product of fewer runs (an
-/// expert's down product of 768: three) keeps no idle warp and an SM holds more of its
-/// blocks. The sums are the same bits (`block_sums` adds the missing warps' zeros).
+/// `cols` columns: a warp per run of columns (two super-blocks of Q4_K or Q5_K, one of
+/// Q6_K, 128 columns of other formats; kernels.cu's `rows_loop`) up to `MM_WARPS`, so
+/// that a product of fewer runs (an expert's down product of 768 columns: two) keeps
+/// no idle warp and an SM holds more of its blocks. The sums are the same bits
+/// (`block_sums` adds the missing warps' zeros).
 fn decode_threads(dtype: DType, cols: usize) -> u32 {
-    let run = if matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K) { 256 } else { 128 };
+    let run = match dtype {
+        DType::Q4K | DType::Q5K => 512,
+        DType::Q6K => 256,
+        _ => 128,
+    };
     32 * cols.div_ceil(run).clamp(1, MM_WARPS) as u32
 }
 
@@ -2128,12 +2133,16 @@ mod tests {
     }
 
     /// A warp per run of columns, at most four: an expert's down product of 768
-    /// columns in Q4_K takes three, a product of 2048 four, a small f32 one one.
+    /// columns in Q4_K takes two (two super-blocks a warp), in Q6_K three, a product
+    /// of 2048 four, a small f32 one one.
     #[test]
     fn decode_products_take_a_warp_a_run() {
-        assert_eq!(decode_threads(DType::Q4K, 768), 96);
+        assert_eq!(decode_threads(DType::Q4K, 768), 64);
+        assert_eq!(decode_threads(DType::Q5K, 1024), 64);
+        assert_eq!(decode_threads(DType::Q6K, 768), 96);
         assert_eq!(decode_threads(DType::Q6K, 256), 32);
         assert_eq!(decode_threads(DType::Q4K, 2048), 128);
+        assert_eq!(decode_threads(DType::Q4K, 4096), 128);
         assert_eq!(decode_threads(DType::Q8_0, 384), 96);
         assert_eq!(decode_threads(DType::F32, 64), 32);
         assert_eq!(decode_threads(DType::F32, 4096), 128);

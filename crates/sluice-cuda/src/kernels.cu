@@ -1,8 +1,9 @@
 // sluice's CUDA kernels, compiled by NVRTC when the backend starts (kernels.rs).
 //
 // Weights stay in their stored format in device memory; every product dequantizes
-// four consecutive elements at a time per thread (deq4; the K-quants two such runs
-// that share their codes' bytes, deq_pair) into registers and multiplies in f32.
+// four consecutive elements at a time per thread (deq4; Q6_K two such runs that share
+// their codes' bytes, deq_pair_q6k; Q4_K and Q5_K sixteen weights a lane, K16) into
+// registers and multiplies in f32.
 // The layouts are ggml's, as sluice_core::quant::dequantize_block reads them.
 
 typedef unsigned char u8;
@@ -219,11 +220,6 @@ __device__ __forceinline__ void deq4(const u8* row, int e, int cols, float* v) {
     }
 }
 
-// Two runs of four elements that share their codes' bytes: a Q4_K / Q5_K byte holds
-// element i of sub-blocks 2p and 2p + 1 (elements e and e + 32), a Q6_K `ql` byte
-// element i of strips s and s + 2 (e and e + 64), with its `qh` byte. One load of
-// codes (and of `dm`, `qh`) serves eight weights. v[0..4) are e.., v[4..8) e + PAIR_GAP.
-#define PAIR_GAP(F) ((F) == F_Q6K ? 64 : 32)
 // Sub-blocks j and j + 1's 6-bit scales and mins (j even) from a Q4_K / Q5_K
 // super-block's first 16 bytes held in registers (`head`: d and dmin, then the twelve
 // bytes of scales), as k_scale_min reads them from memory.
@@ -240,49 +236,83 @@ __device__ __forceinline__ void k_scales_held(uint4 head, int j, int* sc, int* m
     }
 }
 
-template <int F>
-__device__ __forceinline__ void deq_pair(const u8* row, int e, float* v) {
-    if (F == F_Q4K || F == F_Q5K) {
-        const u8* b = row + (F == F_Q4K ? 144 : 176) * (e >> 8);
-        int j = (e & 255) >> 5, i = e & 31;  // j even
-        // d, dmin and the scales in one 16-byte load (super-blocks are 16-byte
-        // aligned): the loads of single scale bytes were most of the products'
-        // load instructions.
-        uint4 head = *(const uint4*)b;
-        int sc[2], mn[2];
-        k_scales_held(head, j, sc, mn);
-        int sc0 = sc[0], m0 = mn[0], sc1 = sc[1], m1 = mn[1];
-        float d = h2f_lo(head.x), dmin = h2f_hi(head.x);
-        float s0 = d * int_float(sc0, 0), n0 = dmin * int_float(m0, 0);
-        float s1 = d * int_float(sc1, 0), n1 = dmin * int_float(m1, 0);
-        u32 q = ld32(b + (F == F_Q4K ? 16 : 48) + 16 * j + i);
-        u32 qh = F == F_Q5K ? ld32(b + 16 + i) : 0;
+// Two runs of four Q6_K elements that share their codes' bytes: a `ql` byte holds
+// element i of strips s and s + 2 (elements e and e + 64), with its `qh` byte. One load
+// of codes serves eight weights. v[0..4) are e.., v[4..8) e + 64.
+#define PAIR_GAP 64
+__device__ __forceinline__ void deq_pair_q6k(const u8* row, int e, float* v) {
+    const u8* b = row + 210 * (e >> 8);
+    int ee = e & 255, h = ee >> 7, s = (ee & 127) >> 5, i = e & 31;  // s 0 or 1
+    u32 ql = ld32_2(b + 64 * h + 32 * s + i);
+    u32 qh = ld32_2(b + 128 + 32 * h + i);
+    float d = h2f((u16)ld16(b + 208));
+    // The signed 8-bit scales, as unsigned ones 128 above.
+    float s0 = d * int_float(b[192 + (ee >> 4)] ^ 0x80, 128);
+    float s1 = d * int_float(b[192 + ((ee + 64) >> 4)] ^ 0x80, 128);
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            u32 c0 = byte_k(q, k) & 15, c1 = byte_k(q, k) >> 4;
-            if (F == F_Q5K) {
-                c0 |= ((byte_k(qh, k) >> j) & 1) << 4;
-                c1 |= ((byte_k(qh, k) >> (j + 1)) & 1) << 4;
-            }
-            v[k] = s0 * int_float(c0, 0) - n0;
-            v[4 + k] = s1 * int_float(c1, 0) - n1;
-        }
-    } else {
-        const u8* b = row + 210 * (e >> 8);
-        int ee = e & 255, h = ee >> 7, s = (ee & 127) >> 5, i = e & 31;  // s 0 or 1
-        u32 ql = ld32_2(b + 64 * h + 32 * s + i);
-        u32 qh = ld32_2(b + 128 + 32 * h + i);
-        float d = h2f((u16)ld16(b + 208));
-        // The signed 8-bit scales, as unsigned ones 128 above.
-        float s0 = d * int_float(b[192 + (ee >> 4)] ^ 0x80, 128);
-        float s1 = d * int_float(b[192 + ((ee + 64) >> 4)] ^ 0x80, 128);
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            u32 lo = byte_k(ql, k), hi = byte_k(qh, k);
-            v[k] = s0 * int_float((lo & 15) | (((hi >> (2 * s)) & 3) << 4), 32);
-            v[4 + k] = s1 * int_float((lo >> 4) | (((hi >> (2 * s + 4)) & 3) << 4), 32);
-        }
+    for (int k = 0; k < 4; k++) {
+        u32 lo = byte_k(ql, k), hi = byte_k(qh, k);
+        v[k] = s0 * int_float((lo & 15) | (((hi >> (2 * s)) & 3) << 4), 32);
+        v[4 + k] = s1 * int_float((lo >> 4) | (((hi >> (2 * s + 4)) & 3) << 4), 32);
     }
+}
+
+// Byte k of `w` (at most 255) as a float, exactly: the byte placed in the mantissa of
+// 2^23 by one byte permute, then 2^23 taken away (int_float without its shift and mask).
+__device__ __forceinline__ float byte_float(u32 w, int k) {
+    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7440 | k)) - 8388608.0f;
+}
+
+// Sixteen weights of a Q4_K / Q5_K super-block `sb` for lane (p, h) of its sixteen:
+// code bytes 4h..4h + 4 and 16 + 4h..16 + 4h + 4 of the super-block's 32-byte run p,
+// whose low nibbles are elements 64p + 4h.. and 64p + 16 + 4h.. of sub-block 2p and
+// whose high nibbles the same elements 32 on, of sub-block 2p + 1. Held as codes with
+// their sub-blocks' scales (k16_load), made floats eight at a time (k16_weights): the
+// scales are decoded once per sixteen weights, the nibbles masked four at a time and
+// each made a float by one byte permute (byte_float). Four lanes' inputs for a run of
+// four elements are 64 contiguous bytes, whole sectors.
+struct K16 {
+    float s0, n0, s1, n1;
+    u32 lo[2], hi[2];
+};
+template <int F>
+__device__ __forceinline__ K16 k16_load(const u8* row, int sb, int p, int h) {
+    const u8* b = row + (F == F_Q4K ? 144 : 176) * sb;
+    uint4 head = *(const uint4*)b;
+    int sc[2], mn[2];
+    k_scales_held(head, 2 * p, sc, mn);
+    float d = h2f_lo(head.x), dmin = h2f_hi(head.x);
+    K16 k;
+    k.s0 = d * int_float(sc[0], 0), k.n0 = dmin * int_float(mn[0], 0);
+    k.s1 = d * int_float(sc[1], 0), k.n1 = dmin * int_float(mn[1], 0);
+    const u8* q = b + (F == F_Q4K ? 16 : 48) + 32 * p + 4 * h;
+    u32 qa = ld32(q), qb = ld32(q + 16);
+    k.lo[0] = qa & 0x0F0F0F0Fu, k.lo[1] = qb & 0x0F0F0F0Fu;
+    k.hi[0] = (qa >> 4) & 0x0F0F0F0Fu, k.hi[1] = (qb >> 4) & 0x0F0F0F0Fu;
+    if (F == F_Q5K) {
+        // The fifth bits: bit 2p (and 2p + 1) of qh's byte i for element i.
+        u32 ha = ld32(b + 16 + 4 * h), hb = ld32(b + 32 + 4 * h);
+        k.lo[0] |= ((ha >> (2 * p)) & 0x01010101u) << 4;
+        k.lo[1] |= ((hb >> (2 * p)) & 0x01010101u) << 4;
+        k.hi[0] |= ((ha >> (2 * p + 1)) & 0x01010101u) << 4;
+        k.hi[1] |= ((hb >> (2 * p + 1)) & 0x01010101u) << 4;
+    }
+    return k;
+}
+// Sub-block 2p's eight weights (half 0: elements 64p + 4h.. then 64p + 16 + 4h..) or
+// 2p + 1's (half 1, 32 on).
+__device__ __forceinline__ void k16_weights(const K16& k, int half, float* v) {
+    float s = half ? k.s1 : k.s0, n = half ? k.n1 : k.n0;
+#pragma unroll
+    for (int w = 0; w < 2; w++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[4 * w + i] = s * byte_float(half ? k.hi[w] : k.lo[w], i) - n;
+    }
+}
+
+// Eight weights against their inputs t (four elements) and u (the four 16 on).
+__device__ __forceinline__ float dot8(const float* v, float4 t, float4 u) {
+    return v[0] * t.x + v[1] * t.y + v[2] * t.z + v[3] * t.w + v[4] * u.x + v[5] * u.y + v[6] * u.z + v[7] * u.w;
 }
 
 // Warps per block, all on the block's output rows (each a quarter of the columns: a
@@ -304,14 +334,59 @@ __device__ __forceinline__ void rows_loop(const u8* const* row, int cols, int nr
     float a[RO * NR];
 #pragma unroll
     for (int i = 0; i < RO * NR; i++) a[i] = 0.0f;
-    if (F == F_Q4K || F == F_Q5K || F == F_Q6K) {
+    if (F == F_Q4K || F == F_Q5K) {
+        // A warp takes two super-blocks at a time, sixteen lanes each, a lane sixteen
+        // weights of one (K16): the scales decoded once per sixteen weights, a
+        // super-block's 128 bytes of codes read whole by its sixteen lanes. Warp w takes super-blocks 2w, 2w + 1, then eight on, so a
+        // block of fewer warps (backend.rs's `decode_threads`, for rows of at most
+        // 2 * warps super-blocks) gives each lane what a full block would.
+        int p = (lane >> 2) & 3, h = lane & 3, nsb = cols >> 8;
+        for (int sb = 2 * warp + (lane >> 4); sb < nsb; sb += 2 * MM_WARPS) {
+            // Inputs x[0..4): elements e, e + 16 (sub-block 2p), e + 32, e + 48 (2p + 1).
+            int e = 256 * sb + 64 * p + 4 * h;
+            // Each (weight row, input row) adds its two sub-blocks' sums, each a dot8:
+            // acc += (lo + hi), whichever loop below computes it.
+            if (RO > 1) {
+                // Decode: the inputs first, then each weight row's sixteen weights
+                // taken at once.
+                float4 x[NR][4];
+#pragma unroll
+                for (int r = 0; r < NR; r++) {
+#pragma unroll
+                    for (int c = 0; c < 4; c++) x[r][c] = *(const float4*)(xs[r] + e + 16 * c);
+                }
+#pragma unroll
+                for (int j = 0; j < RO; j++) {
+                    K16 k = k16_load<F>(row[j], sb, p, h);
+                    float lo[8], hi[8];
+                    k16_weights(k, 0, lo);
+                    k16_weights(k, 1, hi);
+#pragma unroll
+                    for (int r = 0; r < NR; r++)
+                        a[j * NR + r] += dot8(lo, x[r][0], x[r][1]) + dot8(hi, x[r][2], x[r][3]);
+                }
+            } else {
+                // Batches: one sub-block's eight weights at a time against every
+                // input row, the first sub-block's sums held.
+                K16 k = k16_load<F>(row[0], sb, p, h);
+                float w[8], lo[NR];
+                k16_weights(k, 0, w);
+#pragma unroll
+                for (int r = 0; r < NR; r++)
+                    lo[r] = dot8(w, *(const float4*)(xs[r] + e), *(const float4*)(xs[r] + e + 16));
+                k16_weights(k, 1, w);
+#pragma unroll
+                for (int r = 0; r < NR; r++)
+                    a[r] += lo[r] + dot8(w, *(const float4*)(xs[r] + e + 32), *(const float4*)(xs[r] + e + 48));
+            }
+        }
+    } else if (F == F_Q6K) {
         // A warp takes 256 elements at a time, each lane two runs of four that share
-        // their codes (deq_pair); the lanes' first runs are four whole 128-byte lines
+        // their codes (deq_pair_q6k); the lanes' first runs are four whole 128-byte lines
         // of a row's inputs, their second runs the other four. (Measured on an H100:
         // decode +7%, eight sequences +6-9%, a 512-token prompt -4%, against one run
         // of four a lane; eight consecutive elements a lane lost a fifth of prefill.)
-        int e0 = F == F_Q6K ? 128 * (lane >> 4) + 32 * ((lane >> 3) & 1) + 4 * (lane & 7)
-                            : 64 * (lane >> 3) + 4 * (lane & 7);
+        int e0 = 128 * (lane >> 4) + 32 * ((lane >> 3) & 1) + 4 * (lane & 7);
         auto dot = [](const float* w, float4 t, float4 u) {
             return w[0] * t.x + w[1] * t.y + w[2] * t.z + w[3] * t.w + w[4] * u.x + w[5] * u.y + w[6] * u.z +
                    w[7] * u.w;
@@ -326,22 +401,22 @@ __device__ __forceinline__ void rows_loop(const u8* const* row, int cols, int nr
 #pragma unroll
                 for (int r = 0; r < NR; r++) {
                     t[r] = *(const float4*)(xs[r] + e);
-                    u[r] = *(const float4*)(xs[r] + e + PAIR_GAP(F));
+                    u[r] = *(const float4*)(xs[r] + e + PAIR_GAP);
                 }
 #pragma unroll
                 for (int j = 0; j < RO; j++) {
                     float w[8];
-                    deq_pair<F>(row[j], e, w);
+                    deq_pair_q6k(row[j], e, w);
 #pragma unroll
                     for (int r = 0; r < NR; r++) a[j * NR + r] += dot(w, t[r], u[r]);
                 }
             } else {
                 float w[8];
-                deq_pair<F>(row[0], e, w);
+                deq_pair_q6k(row[0], e, w);
 #pragma unroll
                 for (int r = 0; r < NR; r++) {
                     float4 t = *(const float4*)(xs[r] + e);
-                    float4 u = *(const float4*)(xs[r] + e + PAIR_GAP(F));
+                    float4 u = *(const float4*)(xs[r] + e + PAIR_GAP);
                     a[r] += dot(w, t, u);
                 }
             }
@@ -657,8 +732,8 @@ struct QIn {
     int cols;
 };
 
-// Two runs of eight weights of a K-quant row that share their codes' bytes (the
-// runs of deq_pair, twice as long): the codes as bytes c[0..2) (run 0) and c[2..4)
+// Two runs of eight weights of a K-quant row that share their codes' bytes (a Q4_K
+// byte's two nibbles, as in K16; a Q6_K `ql` byte's, as in deq_pair_q6k): the codes as bytes c[0..2) (run 0) and c[2..4)
 // (run 1), each run's scale, and for Q4_K/Q5_K its min's.
 struct KRuns {
     int c[4];
@@ -1151,8 +1226,11 @@ __device__ void embed(const u8* w, long long row_bytes, int cols, const u32* tok
 // 48 registers a thread (ten blocks of 128 an SM, q/k/v's 1280 blocks in one wave of an
 // H100's 132 SMs) where the compiler took 64 (eight; decode 190.8 -> 202.0 tok/s on
 // the Qwen3-30B-A3B geometry). Twelve blocks (40 registers) lost 3%; unrolling the
-// loop by two, loads of two runs together at 84 registers, lost 7%.
-#define DECODE_BOUNDS __launch_bounds__(128, 10)
+// loop by two, loads of two runs together at 84 registers, lost 7%. Since Q4_K and
+// Q5_K take sixteen weights a lane (K16) the bound is six blocks (80 registers): at
+// ten that loop spilled 88-152 bytes and decoded 185-192 tok/s, at eight 201-219, at
+// six 215-218 against 192-201 for the eight-weight loop (an H100, stop 57).
+#define DECODE_BOUNDS __launch_bounds__(128, 6)
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
 // The products for rows of prompts and batches (mm_, mmg_, and mmq_, mmgq_ below)
@@ -2215,6 +2293,36 @@ extern "C" __global__ void plan_experts(const u32* ids, int j, int k, int e, u32
     plan_block(ids, j, k, e, slots, rows, expert_of, work, n_work, tiles, n_tiles);
 }
 
+// plan_block for one row's k <= 32 ids, all different (a decode step's one row, as
+// route_row chooses them), by the block's first warp: an expert's one slot, work item
+// and tile go where plan_block puts them, at the count of the chosen experts below
+// it, without plan_block's counts, scans and barriers over every expert. Then the
+// work items and tiles past them are zeroed, as plan_block does.
+__device__ void plan_one_row(const u32* ids, int k, int e, u32* slots, u32* rows, u32* expert_of, Work* work,
+                             int n_work, Work* tiles, int n_tiles) {
+    __shared__ int chosen;
+    if (threadIdx.x < 32) {
+        int lane = threadIdx.x;
+        u32 id = lane < k ? ids[lane] : 0xffffffffu;
+        int below = 0, valid = 0;
+        for (int m = 0; m < k; m++) {
+            u32 other = __shfl_sync(0xffffffff, id, m);
+            if (other < (u32)e) valid++, below += other < id;
+        }
+        if (id < (u32)e) {
+            slots[below] = lane;
+            rows[below] = 0;
+            expert_of[below] = id;
+            work[below] = Work{(int)id, below, 1, 0};
+            tiles[below] = Work{(int)id, below, 1, 0};
+        }
+        if (lane == 0) chosen = valid;
+    }
+    __syncthreads();
+    for (int i = chosen + threadIdx.x; i < n_work; i += blockDim.x) work[i] = Work{0, 0, 0, 0};
+    for (int i = chosen + threadIdx.x; i < n_tiles; i += blockDim.x) tiles[i] = Work{0, 0, 0, 0};
+}
+
 // route_top_k and then plan_experts in one block of 128 (a warp per row), for at most
 // four rows (decode): the plan of the ids this block has just written.
 extern "C" __global__ void route_plan(const float* logits, int rows, int e, int k, int kind, int renorm,
@@ -2224,7 +2332,8 @@ extern "C" __global__ void route_plan(const float* logits, int rows, int e, int 
     grid_entry();
     route_row(threadIdx.x >> 5, logits, rows, e, k, kind, renorm, bias, scale, ids, weights);
     __syncthreads();  // the ids in global memory, visible to the whole block after it
-    plan_block(ids, rows * k, k, e, slots, rows_of, expert_of, work, n_work, tiles, n_tiles);
+    if (rows == 1 && k <= 32) plan_one_row(ids, k, e, slots, rows_of, expert_of, work, n_work, tiles, n_tiles);
+    else plan_block(ids, rows * k, k, e, slots, rows_of, expert_of, work, n_work, tiles, n_tiles);
 }
 
 #endif  // SLUICE_FORMAT
