@@ -713,14 +713,16 @@ pub(crate) fn variant() -> Option<u32> {
 /// the cache keys on the text). An unreadable file is reported and the built-in
 /// source taken.
 fn source() -> &'static str {
-    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    TEXT.get_or_init(|| match std::env::var_os("SLUICE_CUDA_SOURCE") {
-        Some(path) => std::fs::read_to_string(&path).unwrap_or_else(|e| {
-            eprintln!("SLUICE_CUDA_SOURCE {}: {e}; the built-in kernels taken", path.to_string_lossy());
-            SOURCE.to_string()
-        }),
-        None => SOURCE.to_string(),
-    })
+    static EDIT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let edit = EDIT.get_or_init(|| {
+        let path = std::env::var_os("SLUICE_CUDA_SOURCE")?;
+        std::fs::read_to_string(&path)
+            .inspect_err(|e| {
+                eprintln!("SLUICE_CUDA_SOURCE {}: {e}; the built-in kernels taken", path.to_string_lossy())
+            })
+            .ok()
+    });
+    edit.as_deref().unwrap_or(SOURCE)
 }
 
 /// Whether kernel `name` begins with kernels.cu's `grid_entry` (and so may be

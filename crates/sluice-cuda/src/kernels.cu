@@ -310,7 +310,8 @@ __device__ __forceinline__ void k16_weights(const K16& k, int half, float* v) {
     }
 }
 
-// Eight weights against their inputs t (four elements) and u (the four 16 on).
+// Eight weights against their inputs t (four elements) and u (four more: 16 on for
+// K16, PAIR_GAP on for deq_pair_q6k).
 __device__ __forceinline__ float dot8(const float* v, float4 t, float4 u) {
     return v[0] * t.x + v[1] * t.y + v[2] * t.z + v[3] * t.w + v[4] * u.x + v[5] * u.y + v[6] * u.z + v[7] * u.w;
 }
@@ -337,9 +338,10 @@ __device__ __forceinline__ void rows_loop(const u8* const* row, int cols, int nr
     if (F == F_Q4K || F == F_Q5K) {
         // A warp takes two super-blocks at a time, sixteen lanes each, a lane sixteen
         // weights of one (K16): the scales decoded once per sixteen weights, a
-        // super-block's 128 bytes of codes read whole by its sixteen lanes. Warp w takes super-blocks 2w, 2w + 1, then eight on, so a
-        // block of fewer warps (backend.rs's `decode_threads`, for rows of at most
-        // 2 * warps super-blocks) gives each lane what a full block would.
+        // super-block's 128 bytes of codes read whole by its sixteen lanes. Warp w
+        // takes super-blocks 2w, 2w + 1, then eight on, so a block of fewer warps
+        // (backend.rs's `decode_threads`, for rows of at most 2 * warps super-blocks)
+        // gives each lane what a full block would.
         int p = (lane >> 2) & 3, h = lane & 3, nsb = cols >> 8;
         for (int sb = 2 * warp + (lane >> 4); sb < nsb; sb += 2 * MM_WARPS) {
             // Inputs x[0..4): elements e, e + 16 (sub-block 2p), e + 32, e + 48 (2p + 1).
@@ -387,10 +389,6 @@ __device__ __forceinline__ void rows_loop(const u8* const* row, int cols, int nr
         // decode +7%, eight sequences +6-9%, a 512-token prompt -4%, against one run
         // of four a lane; eight consecutive elements a lane lost a fifth of prefill.)
         int e0 = 128 * (lane >> 4) + 32 * ((lane >> 3) & 1) + 4 * (lane & 7);
-        auto dot = [](const float* w, float4 t, float4 u) {
-            return w[0] * t.x + w[1] * t.y + w[2] * t.z + w[3] * t.w + w[4] * u.x + w[5] * u.y + w[6] * u.z +
-                   w[7] * u.w;
-        };
         for (int e = e0 + 256 * warp; e < cols; e += 256 * MM_WARPS) {
             if (RO > 1) {
                 // Several weight rows against one or two input rows (decode): the
@@ -408,7 +406,7 @@ __device__ __forceinline__ void rows_loop(const u8* const* row, int cols, int nr
                     float w[8];
                     deq_pair_q6k(row[j], e, w);
 #pragma unroll
-                    for (int r = 0; r < NR; r++) a[j * NR + r] += dot(w, t[r], u[r]);
+                    for (int r = 0; r < NR; r++) a[j * NR + r] += dot8(w, t[r], u[r]);
                 }
             } else {
                 float w[8];
@@ -417,7 +415,7 @@ __device__ __forceinline__ void rows_loop(const u8* const* row, int cols, int nr
                 for (int r = 0; r < NR; r++) {
                     float4 t = *(const float4*)(xs[r] + e);
                     float4 u = *(const float4*)(xs[r] + e + PAIR_GAP);
-                    a[r] += dot(w, t, u);
+                    a[r] += dot8(w, t, u);
                 }
             }
         }
@@ -733,8 +731,9 @@ struct QIn {
 };
 
 // Two runs of eight weights of a K-quant row that share their codes' bytes (a Q4_K
-// byte's two nibbles, as in K16; a Q6_K `ql` byte's, as in deq_pair_q6k): the codes as bytes c[0..2) (run 0) and c[2..4)
-// (run 1), each run's scale, and for Q4_K/Q5_K its min's.
+// byte's two nibbles, as in K16; a Q6_K `ql` byte's, as in deq_pair_q6k): the codes
+// as bytes c[0..2) (run 0) and c[2..4) (run 1), each run's scale, and for Q4_K/Q5_K
+// its min's.
 struct KRuns {
     int c[4];
     float f0, f1, n0, n1;
