@@ -20,20 +20,31 @@ b() {
 }
 # SPEED_SOURCES="NAME:FILE ...": kernel sources timed against each other with this one
 # build (`SLUICE_CUDA_SOURCE`, e.g. `git show REV:crates/sluice-cuda/src/kernels.cu`
-# saved beside an edited copy), SPEED_ROUNDS rounds (2) alternated, decode and eight
-# sequences (SPEED_ONLY=decode: decode alone); each source compiled once first. Then
-# nothing else is timed.
-if [ -n "${SPEED_SOURCES:-}" ]; then
-    for kv in $SPEED_SOURCES; do
-        SLUICE_CUDA_SOURCE=${kv#*:} b --prompt-tokens 8 --gen-tokens 2 >/dev/null
+# saved beside an edited copy); SPEED_BINS="NAME:BINARY ...": builds timed against each
+# other, each with its own kernels (a baseline whose host code differs). Both lists may
+# be given; their entries are alternated for SPEED_ROUNDS rounds (2), decode and eight
+# sequences (SPEED_ONLY=decode or batch: that alone), each compiled once first. Then nothing
+# else is timed.
+if [ -n "${SPEED_SOURCES:-}${SPEED_BINS:-}" ]; then
+    # One entry: NAME, the binary, the kernel source ("" for the binary's own).
+    variants=()
+    for kv in ${SPEED_SOURCES:-}; do variants+=("${kv%%:*}|$bin|${kv#*:}"); done
+    for kv in ${SPEED_BINS:-}; do variants+=("${kv%%:*}|${kv#*:}|"); done
+    with() {
+        IFS='|' read -r name vbin src <<<"$1"
+        bench=("$vbin" "${bench[@]:1}")
+        if [ -n "$src" ]; then export SLUICE_CUDA_SOURCE=$src; else unset SLUICE_CUDA_SOURCE; fi
+    }
+    for v in "${variants[@]}"; do
+        with "$v"
+        b --prompt-tokens 8 --gen-tokens 2 >/dev/null
     done
     for r in $(seq "${SPEED_ROUNDS:-2}"); do
-        for kv in $SPEED_SOURCES; do
-            export SLUICE_CUDA_SOURCE=${kv#*:}
-            echo "round $r, ${kv%%:*}: decode $(b --prompt-tokens 512 --gen-tokens 64)"
+        for v in "${variants[@]}"; do
+            with "$v"
+            [ "${SPEED_ONLY:-}" = batch ] || echo "round $r, $name: decode $(b --prompt-tokens 512 --gen-tokens 64)"
             [ "${SPEED_ONLY:-}" = decode ] ||
-                echo "round $r, ${kv%%:*}: 8 sequences $(b --prompt-tokens 64 --gen-tokens 32 --parallel 8)"
-            unset SLUICE_CUDA_SOURCE
+                echo "round $r, $name: 8 sequences $(b --prompt-tokens 64 --gen-tokens 32 --parallel 8)"
         done
     done
     exit 0
@@ -56,6 +67,38 @@ if [ -n "${SPEED_TIER:-}" ]; then
                     python3 -c 'import json, sys; j = json.load(sys.stdin); print("decode %.2f tok/s" % j["decode_tok_s"])')"
                 grep -h "GPU experts" /tmp/tier.err | tail -1
             done
+        done
+    done
+fi
+# SPEED_STREAM="CACHE:GPU_MEMORY ...": decode with the experts streamed from disk
+# (`--residency streamed`): host memory holds at most CACHE of them (`--expert-cache`),
+# the device GPU_MEMORY in all (`--gpu-memory`, its VRAM tier), the rest read with
+# O_DIRECT; beside the disk's roofline (its measured rate over the bytes read a token);
+# SPEED_STREAM_PREFETCH the `--prefetch` modes to time (off).
+# SPEED_STREAM_MEM=SIZE runs each in a memory cgroup of SIZE where one can be made, so
+# that the host's memory is bounded below the expert bytes whatever the page cache does.
+if [ -n "${SPEED_STREAM:-}" ]; then
+    cg=
+    if [ -n "${SPEED_STREAM_MEM:-}" ]; then
+        cg=/sys/fs/cgroup/sluice-stream
+        if mkdir -p "$cg" 2>/dev/null && echo "$SPEED_STREAM_MEM" >"$cg/memory.max" 2>/dev/null; then
+            echo "(each run in a memory cgroup of $SPEED_STREAM_MEM)"
+        else
+            echo "(no memory cgroup could be made here: host memory not bounded)"
+            cg=
+        fi
+    fi
+    limited() {
+        if [ -n "$cg" ]; then bash -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$cg" "$@"; else "$@"; fi
+    }
+    for c in $SPEED_STREAM; do
+        for f in ${SPEED_STREAM_PREFETCH:-off}; do
+            echo "streamed, host cache ${c%%:*}, device ${c#*:}, prefetch $f:"
+            limited "$bin" bench -m "$m" --backend cuda --residency streamed --expert-cache "${c%%:*}" \
+                --gpu-memory "${c#*:}" --prefetch "$f" --prompt-tokens 64 --gen-tokens 64 --json 2>/tmp/stream.err | tail -1 |
+                python3 -c 'import json, sys; j = json.load(sys.stdin); f = lambda k: j.get(k) or 0; print("  decode %.2f tok/s; disk %.0f MB a token, roofline %.2f tok/s (%.0f%% of it); host hit rate %.2f; peak RSS %.2f GiB" % (j["decode_tok_s"], f("decode_disk_bytes_per_token") / 1e6, f("disk_roofline_decode_tok_s"), 100 * f("decode_fraction_of_disk_roofline"), f("decode_hit_rate"), f("peak_rss_bytes") / 2**30))' ||
+                tail -3 /tmp/stream.err
+            grep -h "GPU experts" /tmp/stream.err | tail -1
         done
     done
 fi
