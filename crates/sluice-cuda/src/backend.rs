@@ -169,6 +169,17 @@ pub struct DevRouting {
 /// The grouped expert products' plan of a routing (kernels.cu's `plan_block`): the
 /// (row, slot)s routed to each expert, expert after expert, their step rows and
 /// experts, and the work items of up to `MM_ROWS` rows of one expert (and of `MT_ROWS`).
+/// A MoE layer's step as its grouped products take it: the input rows, their routing
+/// and its plan, the experts' kind, and the output of each (row, slot).
+#[derive(Clone, Copy)]
+struct MoeStep<'a> {
+    x: &'a DevAct,
+    routing: &'a DevRouting,
+    plan: &'a ExpertPlan,
+    ffn: &'a ExpertFfn<Cuda>,
+    per_slot: &'a DevAct,
+}
+
 struct ExpertPlan {
     slots: Scratch<u32>,
     rows: Scratch<u32>,
@@ -805,12 +816,12 @@ impl Cuda {
             // The matrices this pass takes: this one, and for decode rows those after
             // it of its format, in one launch.
             let n = if path.float() && ro == 1 {
-                launch!(&self.dev, &format!("mm_{suffix}"), grid((w.rows as u32, row_passes), 128, 0);
+                launch!(&self.dev, &format!("mm_{suffix}"), grid((w.rows as u32, row_passes), product_threads(w.dtype, w.cols), 0);
                     w.ptr, w.row_bytes as i64, w.rows as i32, cols, input, rows, y_at)?;
                 1
             } else if path.float() {
                 let (many, n) = Many::of(ro, ws[i..].iter().zip(&ys[i..]).map(|(m, y)| (m.ptr, self.p(&y.buf), *m)));
-                let threads = decode_threads(w.dtype, w.cols);
+                let threads = product_threads(w.dtype, w.cols);
                 launch!(&self.dev, &format!("mmo_{suffix}"), grid((many.blocks(), row_passes), threads, 0);
                     many, cols, input, rows, ro as i32)?;
                 n
@@ -937,36 +948,31 @@ impl Cuda {
         })
     }
 
-    /// The routed experts on the rows of `x` that chose them, each (row, slot)'s
-    /// output written to its row of `per_slot`: the device plans the work from the
-    /// routing (no ids on the host; the routing's own launch did for a few rows), then
+    /// The grouped products' plan of `routing`: the one its launch made (a few rows),
+    /// else one the device makes now into `made` (no ids on the host either way).
+    fn routing_plan<'a>(&self, routing: &'a DevRouting, made: &'a mut Option<ExpertPlan>) -> Result<&'a ExpertPlan> {
+        if let Some(p) = &routing.plan {
+            return Ok(p);
+        }
+        let (j, k, e) = (routing.len, routing.top_k.max(1), routing.n_experts);
+        let plan = self.expert_plan(j, e)?;
+        launch!(&self.dev, "plan_experts", grid((1, 1), 256, plan_shared(e));
+            self.p(&routing.ids), j as i32, k as i32, e as i32, self.p(&plan.slots), self.p(&plan.rows),
+            self.p(&plan.expert_of), self.p(&plan.work), plan.n_work as i32, self.p(&plan.tiles),
+            plan.n_tiles as i32)?;
+        Ok(made.insert(plan))
+    }
+
+    /// The routed experts of `tables` on the rows of `step.x` that chose them, each
+    /// (row, slot)'s output written to its row of `step.per_slot`, by the step's plan:
     /// grouped products for every expert of the layer, a launch each: gate and up (with
     /// their GLU, for decode rows), down. `shape` is any of the experts (they share one).
-    fn grouped_experts(
-        &self,
-        x: &DevAct,
-        routing: &DevRouting,
-        tables: &ExpertTables,
-        shape: &DevExpert,
-        ffn: &ExpertFfn<Self>,
-        per_slot: &DevAct,
-    ) -> Result<()> {
-        let (j, k, e) = (routing.len, routing.top_k.max(1), routing.n_experts);
+    fn grouped_experts(&self, step: &MoeStep<'_>, tables: &ExpertTables, shape: &DevExpert) -> Result<()> {
+        let MoeStep { x, routing, plan, ffn, per_slot } = *step;
+        let (j, k) = (routing.len, routing.top_k.max(1));
         if j == 0 {
             return Ok(());
         }
-        let made;
-        let plan = match &routing.plan {
-            Some(p) => p,
-            None => {
-                made = self.expert_plan(j, e)?;
-                launch!(&self.dev, "plan_experts", grid((1, 1), 256, plan_shared(e));
-                    self.p(&routing.ids), j as i32, k as i32, e as i32, self.p(&made.slots), self.p(&made.rows),
-                    self.p(&made.expert_of), self.p(&made.work), made.n_work as i32, self.p(&made.tiles),
-                    made.n_tiles as i32)?;
-                &made
-            }
-        };
         let ExpertPlan { slots, rows, expert_of, work, n_work, tiles, n_tiles } = plan;
         let n_work = *n_work;
         // `xrow`: the step's row of each compact row (null: the input is the compact
@@ -997,13 +1003,13 @@ impl Cuda {
                 }
                 let ro = outputs_per_block(step_rows, m.cols);
                 let n = if path.float() && ro == 1 {
-                    launch!(&self.dev, &format!("mmg_{suffix}"), grid((m.rows as u32, n_work as u32), 128, 0);
+                    launch!(&self.dev, &format!("mmg_{suffix}"), grid((m.rows as u32, n_work as u32), product_threads(m.dtype, m.cols), 0);
                         ws, m.row_bytes as i64, m.rows as i32, cols, x_at, xrow, work, y_at, yrow)?;
                     1
                 } else if path.float() {
                     let (many, n) =
                         Many::of(ro, mats[i..].iter().map(|&(t, m, y)| (self.p(t), self.p(&y.buf), self.desc(m))));
-                    let threads = decode_threads(m.dtype, m.cols);
+                    let threads = product_threads(m.dtype, m.cols);
                     launch!(&self.dev, &format!("mmgo_{suffix}"), grid((many.blocks(), n_work as u32), threads, 0);
                         many, cols, x_at, xrow, work, ro as i32, yrow)?;
                     n
@@ -1034,7 +1040,7 @@ impl Cuda {
             let g = self.act(j, inter)?;
             let (kind, alpha, limit) = glu_args(ffn.glu);
             launch!(&self.dev, &format!("mmglu_{}", format_suffix(gate.dtype)),
-                grid((inter.div_ceil(2) as u32, n_work as u32), decode_threads(gate.dtype, gate.cols), 0);
+                grid((inter.div_ceil(2) as u32, n_work as u32), product_threads(gate.dtype, gate.cols), 0);
                 self.p(&tables.gate), self.p(&tables.up), gate.row_bytes as i64, inter as i32, gate.cols as i32,
                 self.p(&x.buf), self.p(rows), self.p(work), self.p(&g.buf), kind, alpha, limit)?;
             return grouped(&[(&tables.down, &shape.down, per_slot)], &g, 0, self.p(slots));
@@ -1082,13 +1088,14 @@ fn outputs_per_block(rows: usize, cols: usize) -> usize {
     }
 }
 
-/// Threads a block of a decode product (`mmo_`, `mmgo_`, `mmglu_`) for a weight of
-/// `cols` columns: a warp per run of columns (two super-blocks of Q4_K or Q5_K, one of
-/// Q6_K, 128 columns of other formats; kernels.cu's `rows_loop`) up to `MM_WARPS`, so
-/// that a product of fewer runs (an expert's down product of 768 columns: two) keeps
-/// no idle warp and an SM holds more of its blocks. The sums are the same bits
-/// (`block_sums` adds the missing warps' zeros).
-fn decode_threads(dtype: DType, cols: usize) -> u32 {
+/// Threads a block of a float product (`mm_`, `mmg_`, and the decode rows' `mmo_`,
+/// `mmgo_`, `mmglu_`) for a weight of `cols` columns: a warp per run of columns (two
+/// super-blocks of Q4_K or Q5_K, one of Q6_K, 128 columns of other formats;
+/// kernels.cu's `rows_loop`) up to `MM_WARPS`, so that a product of fewer runs (an
+/// expert's down product of 768 columns: two) keeps no idle warp and an SM holds more
+/// of its blocks. The sums are the same bits (`block_sums` adds the missing warps'
+/// zeros).
+fn product_threads(dtype: DType, cols: usize) -> u32 {
     let run = match dtype {
         DType::Q4K | DType::Q5K => 512,
         DType::Q6K => 256,
@@ -1982,11 +1989,18 @@ impl Backend for Cuda {
 
     fn moe(&self, x: &DevAct, routing: &DevRouting, experts: &DevExperts<'_>, ffn: &ExpertFfn<Self>) -> Result<DevAct> {
         // Each (row, slot)'s expert output, then their weighted sum in router order.
+        if routing.len == 0 {
+            return self.zeros(x.rows, x.cols);
+        }
         let per_slot = self.act(routing.len, x.cols)?;
+        // The plan is made once for every pass below.
+        let mut made = None;
         match experts {
             DevExperts::Whole(w) => {
                 let shape = w.experts.first().expect("a whole layer has experts");
-                self.grouped_experts(x, routing, &w.tables, shape, ffn, &per_slot)?;
+                let plan = self.routing_plan(routing, &mut made)?;
+                let step = MoeStep { x, routing, plan, ffn, per_slot: &per_slot };
+                self.grouped_experts(&step, &w.tables, shape)?;
             }
             DevExperts::Some { key, held, lease, host } => {
                 // Where the misses' host bytes stay put until the copy engine has read
@@ -2031,7 +2045,9 @@ impl Backend for Cuda {
                 // the context's sync before it unlocks them); each address was
                 // allocated for its bytes above.
                 let copied = if copies.is_empty() { None } else { Some(unsafe { self.queue_copies(&copies)? }) };
-                let computed = || -> Result<()> {
+                let mut computed = || -> Result<()> {
+                    let plan = self.routing_plan(routing, &mut made)?;
+                    let step = MoeStep { x, routing, plan, ffn, per_slot: &per_slot };
                     for (e, ex) in &filled {
                         let mut t = self.tier.lock().unwrap_or_else(|e| e.into_inner());
                         t.stats.host_fills += 1;
@@ -2044,7 +2060,7 @@ impl Backend for Cuda {
                         if let (true, Some(done)) = (i == last, &copied) {
                             self.dev.compute_after(done)?;
                         }
-                        self.grouped_experts(x, routing, t, &shape, ffn, &per_slot)?;
+                        self.grouped_experts(&step, t, &shape)?;
                     }
                     Ok(())
                 };
@@ -2085,7 +2101,7 @@ impl Backend for Cuda {
 mod tests {
     use super::{
         ATT_KERNELS, MANY_MATS, Many, MatDesc, Path, Products, PromptTile, RowPrecision, SeqRows, attention_kernel,
-        attention_splits, decode_threads, prompt_tiles,
+        attention_splits, product_threads, prompt_tiles,
     };
     use crate::device::{Unit, kernel_names};
     use sluice_core::DType;
@@ -2137,15 +2153,15 @@ mod tests {
     /// of 2048 four, a small f32 one one.
     #[test]
     fn decode_products_take_a_warp_a_run() {
-        assert_eq!(decode_threads(DType::Q4K, 768), 64);
-        assert_eq!(decode_threads(DType::Q5K, 1024), 64);
-        assert_eq!(decode_threads(DType::Q6K, 768), 96);
-        assert_eq!(decode_threads(DType::Q6K, 256), 32);
-        assert_eq!(decode_threads(DType::Q4K, 2048), 128);
-        assert_eq!(decode_threads(DType::Q4K, 4096), 128);
-        assert_eq!(decode_threads(DType::Q8_0, 384), 96);
-        assert_eq!(decode_threads(DType::F32, 64), 32);
-        assert_eq!(decode_threads(DType::F32, 4096), 128);
+        assert_eq!(product_threads(DType::Q4K, 768), 64);
+        assert_eq!(product_threads(DType::Q5K, 1024), 64);
+        assert_eq!(product_threads(DType::Q6K, 768), 96);
+        assert_eq!(product_threads(DType::Q6K, 256), 32);
+        assert_eq!(product_threads(DType::Q4K, 2048), 128);
+        assert_eq!(product_threads(DType::Q4K, 4096), 128);
+        assert_eq!(product_threads(DType::Q8_0, 384), 96);
+        assert_eq!(product_threads(DType::F32, 64), 32);
+        assert_eq!(product_threads(DType::F32, 4096), 128);
     }
 
     /// A prompt's rows (8 bits) take the tensor cores, decode rows (16 bits) the float

@@ -340,7 +340,7 @@ __device__ __forceinline__ void rows_loop(const u8* const* row, int cols, int nr
         // weights of one (K16): the scales decoded once per sixteen weights, a
         // super-block's 128 bytes of codes read whole by its sixteen lanes. Warp w
         // takes super-blocks 2w, 2w + 1, then eight on, so a block of fewer warps
-        // (backend.rs's `decode_threads`, for rows of at most 2 * warps super-blocks)
+        // (backend.rs's `product_threads`, for rows of at most 2 * warps super-blocks)
         // gives each lane what a full block would.
         int p = (lane >> 2) & 3, h = lane & 3, nsb = cols >> 8;
         for (int sb = 2 * warp + (lane >> 4); sb < nsb; sb += 2 * MM_WARPS) {
@@ -457,7 +457,7 @@ __device__ __forceinline__ void block_sums(const float* acc, int nr, Y store) {
     if (threadIdx.x < RO * nr) {
         float s = 0.0f;
         // A block of fewer warps (a decode product of fewer runs than MM_WARPS, see
-        // backend.rs's `decode_threads`) adds the zeros of those it lacks, so that its
+        // backend.rs's `product_threads`) adds the zeros of those it lacks, so that its
         // sums are the bits of a full block's.
         int warps = blockDim.x >> 5;
         for (int w = 0; w < MM_WARPS; w++) s += w < warps ? part[w][threadIdx.x] : 0.0f;
