@@ -169,17 +169,6 @@ pub struct DevRouting {
 /// The grouped expert products' plan of a routing (kernels.cu's `plan_block`): the
 /// (row, slot)s routed to each expert, expert after expert, their step rows and
 /// experts, and the work items of up to `MM_ROWS` rows of one expert (and of `MT_ROWS`).
-/// A MoE layer's step as its grouped products take it: the input rows, their routing
-/// and its plan, the experts' kind, and the output of each (row, slot).
-#[derive(Clone, Copy)]
-struct MoeStep<'a> {
-    x: &'a DevAct,
-    routing: &'a DevRouting,
-    plan: &'a ExpertPlan,
-    ffn: &'a ExpertFfn<Cuda>,
-    per_slot: &'a DevAct,
-}
-
 struct ExpertPlan {
     slots: Scratch<u32>,
     rows: Scratch<u32>,
@@ -190,6 +179,17 @@ struct ExpertPlan {
     /// products.
     tiles: Scratch<u32>,
     n_tiles: usize,
+}
+
+/// A MoE layer's step as its grouped products take it: the input rows, their routing
+/// and its plan, the experts' kind, and the output of each (row, slot).
+#[derive(Clone, Copy)]
+struct MoeStep<'a> {
+    x: &'a DevAct,
+    routing: &'a DevRouting,
+    plan: &'a ExpertPlan,
+    ffn: &'a ExpertFfn<Cuda>,
+    per_slot: &'a DevAct,
 }
 
 /// One expert's three matrices in device memory.
@@ -816,7 +816,8 @@ impl Cuda {
             // The matrices this pass takes: this one, and for decode rows those after
             // it of its format, in one launch.
             let n = if path.float() && ro == 1 {
-                launch!(&self.dev, &format!("mm_{suffix}"), grid((w.rows as u32, row_passes), product_threads(w.dtype, w.cols), 0);
+                let threads = product_threads(w.dtype, w.cols);
+                launch!(&self.dev, &format!("mm_{suffix}"), grid((w.rows as u32, row_passes), threads, 0);
                     w.ptr, w.row_bytes as i64, w.rows as i32, cols, input, rows, y_at)?;
                 1
             } else if path.float() {
@@ -1003,7 +1004,8 @@ impl Cuda {
                 }
                 let ro = outputs_per_block(step_rows, m.cols);
                 let n = if path.float() && ro == 1 {
-                    launch!(&self.dev, &format!("mmg_{suffix}"), grid((m.rows as u32, n_work as u32), product_threads(m.dtype, m.cols), 0);
+                    let threads = product_threads(m.dtype, m.cols);
+                    launch!(&self.dev, &format!("mmg_{suffix}"), grid((m.rows as u32, n_work as u32), threads, 0);
                         ws, m.row_bytes as i64, m.rows as i32, cols, x_at, xrow, work, y_at, yrow)?;
                     1
                 } else if path.float() {
@@ -2152,7 +2154,7 @@ mod tests {
     /// columns in Q4_K takes two (two super-blocks a warp), in Q6_K three, a product
     /// of 2048 four, a small f32 one one.
     #[test]
-    fn decode_products_take_a_warp_a_run() {
+    fn float_products_take_a_warp_a_run() {
         assert_eq!(product_threads(DType::Q4K, 768), 64);
         assert_eq!(product_threads(DType::Q5K, 1024), 64);
         assert_eq!(product_threads(DType::Q6K, 768), 96);
